@@ -1,0 +1,41 @@
+# Every target installs what it needs into .venv first, so a fresh clone needs only these commands.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PROMPT ?= The capital of France is
+
+.PHONY: help install install-test serve generate test test-fast lint bench clean
+
+help:  ## list the commands
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed  ## install slotserve into .venv
+
+install-test: $(VENV)/.installed-test  ## install slotserve with the test extra
+
+serve: install  ## install, then run the default model (generation CLI until the server lands)
+	$(VENV)/bin/slotserve generate --model default --prompt "$(PROMPT)" --max-tokens 32 --temperature 0
+
+test: install-test  ## install, then run lint and the whole test suite (slow tests included)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+test-fast: install-test  ## the suite without slow (torch / real-model) tests
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install-test  ## ruff
+	$(VENV)/bin/ruff check .
+
+clean:  ## remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache .cache

@@ -1,0 +1,90 @@
+"""Device setup: XLA environment (before JAX is imported), compute dtype policy, compile cache.
+
+`configure_environment()` must run before the first `import jax` anywhere in the process: XLA reads
+its flags once. The CLI calls it first thing; library users may call it themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DTYPE_ENV = "SLOTSERVE_DTYPE"
+CACHE_ENV = "SLOTSERVE_CACHE_DIR"
+VALID_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "slotserve")
+
+
+def configure_environment(platform: str | None = None) -> None:
+    """Set XLA environment variables; a no-op for settings the user already chose."""
+    if "jax" in sys.modules:
+        log.debug("jax already imported; XLA environment settings may not take effect")
+    if platform:
+        os.environ.setdefault("JAX_PLATFORMS", platform)
+    # GPU: allocate on demand rather than grabbing 75% of memory, and skip GEMM autotuning, which
+    # costs much persistent memory for little speed in a fixed-shape server.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    autotune = os.environ.get("SLOTSERVE_XLA_AUTOTUNE_LEVEL", "0")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_autotune_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level={autotune}".strip()
+
+
+def enable_compile_cache(directory: Path | None = None) -> Path:
+    """Persist compiled programs so that a restart does not pay the compile again."""
+    import jax
+
+    path = Path(directory) if directory else default_cache_dir() / "xla"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def choose_dtype(override: str | None = None) -> tuple[str, str]:
+    """The compute dtype and why it was chosen: explicit override, environment, then device rules."""
+    import jax
+
+    choice = override or os.environ.get(DTYPE_ENV)
+    if choice:
+        if choice not in VALID_DTYPES:
+            raise ValueError(f"dtype {choice!r} is not one of {VALID_DTYPES}")
+        return choice, "override" if override else f"${DTYPE_ENV}"
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        capability = float(getattr(device, "compute_capability", "0") or 0)
+        if capability and capability < 8.0:
+            return "float16", f"GPU compute capability {capability} < 8.0 emulates bfloat16"
+        return "bfloat16", f"GPU compute capability {capability or 'unknown'} has native bfloat16"
+    if device.platform == "tpu":
+        return "bfloat16", "TPU"
+    return _measure_cpu_dtype()
+
+
+def _measure_cpu_dtype() -> tuple[str, str]:
+    """Time a decode-shaped matmul in float32 and bfloat16; bfloat16 only wins on CPUs with native support."""
+    import jax
+    import jax.numpy as jnp
+
+    timings = {}
+    for dtype in ("float32", "bfloat16"):
+        x = jnp.ones((8, 1024), dtype)
+        w = jnp.ones((4096, 1024), dtype)
+        fn = jax.jit(lambda a, b: jnp.einsum("bi,oi->bo", a, b))
+        fn(x, w).block_until_ready()
+        begin = time.perf_counter()
+        for _ in range(5):
+            fn(x, w).block_until_ready()
+        timings[dtype] = (time.perf_counter() - begin) / 5
+    best = min(timings, key=timings.get)
+    detail = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items())
+    return best, f"CPU measurement ({detail})"

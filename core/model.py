@@ -1,0 +1,285 @@
+"""Gemma 3 / Gemma 4 text decoder in plain JAX, written once against the slot KV pool.
+
+One function, `forward`, serves every use: a full prompt into an empty slot, a prefill chunk that
+continues a cached prefix, and the batched one-token decode step over all slots. Each query attends
+to (a) the slot's cache as it was before this call and (b) the keys of this call's own chunk; the
+chunk's K/V is written into the cache only after every layer has read it. That keeps a sliding ring
+correct when a chunk is longer than the window, lets KV-shared layers read exactly what their source
+layer read, and leaves the scatter free to update the donated cache in place.
+
+Shapes: B rows (slots), T tokens per row, H hidden, nh query heads, kh KV heads, d head size,
+L cache positions (window ring or max_len), V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.config import ModelConfig
+from core.kv_cache import KVCache, layer_key
+
+Params = dict[str, Any]
+MASK_VALUE = -1e30  # finite: a fully masked (padding / idle) row yields a uniform softmax, never NaN
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm in float32. `scale` is the effective multiplier (Gemma 3's 1+w folded at load time)."""
+    x32 = x.astype(jnp.float32)
+    out = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        out = out * scale.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: Any) -> jax.Array:
+    """x [..., in] @ w [out, in]^T. `w` may be int8 storage {"q": int8 [out, in], "s": f32 [out]}."""
+    if isinstance(w, dict):
+        y = jnp.einsum("...i,oi->...o", x, w["q"].astype(x.dtype))
+        return y * w["s"].astype(x.dtype)
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def embedding_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
+    """Rows of an embedding table, which may be int8 {"q", "s"} or packed int4 {"q4", "s"}."""
+    if not isinstance(table, dict):
+        return jnp.take(table, ids, axis=0)
+    if "q4" in table:
+        packed = jnp.take(table["q4"], ids, axis=0)  # uint8 [..., n/2], low nibble first
+        low = (packed & 0xF).astype(jnp.int8) - 8
+        high = (packed >> 4).astype(jnp.int8) - 8
+        q = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    else:
+        q = jnp.take(table["q"], ids, axis=0)
+    return q.astype(dtype) * jnp.take(table["s"], ids, axis=0)[..., None].astype(dtype)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, d] for integer positions [B, T], computed in float32 like transformers."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, heads, d]; rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def cache_positions(starts: jax.Array, length: int, ring: bool) -> jax.Array:
+    """Absolute position held by each cache index, [B, L]; negative where the index holds nothing.
+
+    A slot that holds positions 0..start-1 has position j at index j (global layer); a ring of size L
+    holds the last L of them, position p at index p % L.
+    """
+    idx = jnp.arange(length)[None, :]
+    if not ring:
+        return jnp.where(idx < starts[:, None], idx, -1)
+    last = starts[:, None] - 1
+    return last - jnp.mod(last - idx, length)
+
+
+def attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    cached: dict[str, jax.Array],
+    positions: jax.Array,
+    starts: jax.Array,
+    n_valid: jax.Array,
+    *,
+    window: int | None,
+    ring: bool,
+    scale: float,
+    softcap: float | None,
+) -> jax.Array:
+    """Attention of chunk queries over the pre-call cache plus the chunk itself.
+
+    q [B, T, nh, d]; k_new, v_new [B, T, kh, d]; cached["k"/"v"] [B, L, kh, d] (int8 with
+    "k_scale"/"v_scale" [B, L, kh] when quantized); positions [B, T]; starts, n_valid [B].
+    Returns [B, T, nh * d].
+    """
+    b, t, nh, d = q.shape
+    kh = k_new.shape[2]
+    qg = q.reshape(b, t, kh, nh // kh, d)
+    ck, cv = cached["k"], cached["v"]
+    length = ck.shape[1]
+    quantized = "k_scale" in cached
+
+    s_cache = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(q.dtype) if quantized else ck)
+    if quantized:
+        s_cache = s_cache * jnp.transpose(cached["k_scale"], (0, 2, 1))[:, :, None, None, :].astype(q.dtype)
+    s_new = jnp.einsum("btkgd,bskd->bkgts", qg, k_new)
+    scores = jnp.concatenate([s_cache, s_new], axis=-1).astype(jnp.float32) * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+
+    key_pos_cache = cache_positions(starts, length, ring)  # [B, L]
+    chunk_idx = jnp.arange(t)
+    key_pos_new = jnp.where(chunk_idx[None, :] < n_valid[:, None], positions, -1)  # padding: no key
+    key_pos = jnp.concatenate([key_pos_cache, key_pos_new], axis=-1)  # [B, L + T]
+    qpos = positions[:, :, None]
+    allowed = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= qpos)
+    if window is not None:
+        allowed &= key_pos[:, None, :] > qpos - window
+    scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+
+    p_cache, p_new = probs[..., :length], probs[..., length:]
+    if quantized:
+        p_cache = p_cache * jnp.transpose(cached["v_scale"], (0, 2, 1))[:, :, None, None, :].astype(q.dtype)
+        cv = cv.astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p_cache, cv) + jnp.einsum("bkgts,bskd->btkgd", p_new, v_new)
+    return out.reshape(b, t, nh * d)
+
+
+def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, h_emb: jax.Array) -> jax.Array:
+    """Gemma 4 per-layer embeddings, [B, T, num_layers, ple_dim]."""
+    b, t = tokens.shape
+    n, p = cfg.num_layers, cfg.ple_dim
+    dtype = h_emb.dtype
+    token_part = embedding_rows(params["embed_per_layer"], tokens, dtype)
+    token_part = (token_part * jnp.asarray(p**0.5, dtype)).reshape(b, t, n, p)
+    proj = linear(h_emb, params["per_layer_model_projection"]) * jnp.asarray(cfg.hidden_size**-0.5, dtype)
+    proj = rms_norm(proj.reshape(b, t, n, p), params["per_layer_projection_norm"], cfg.rms_norm_eps)
+    return (proj + token_part) * jnp.asarray(2.0**-0.5, dtype)
+
+
+def forward(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    starts: jax.Array,
+    n_valid: jax.Array,
+    slots: jax.Array,
+    *,
+    cfg: ModelConfig,
+    all_slots: bool,
+    logits_mode: str,
+) -> tuple[jax.Array, KVCache]:
+    """Run T tokens per row through the model, reading and then extending each row's slot cache.
+
+    tokens [B, T] int32: row b holds positions starts[b] .. starts[b] + T - 1, of which the first
+    n_valid[b] are real (the rest is padding; n_valid 0 marks an idle row). slots [B]: the slot of
+    each row. all_slots: B equals the pool size and slots is arange(S), so the cache is used as is.
+    logits_mode: "all" -> [B, T, V]; "last" -> [B, V] at each row's last real token;
+    "hidden" -> the final normed hidden states [B, T, H].
+    """
+    b, t = tokens.shape
+    dtype = params["final_norm"].dtype  # the compute dtype
+    positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]
+    h = embedding_rows(params["embed"], tokens, dtype) * jnp.asarray(cfg.hidden_size**0.5, dtype)
+    ple = per_layer_inputs(params, cfg, tokens, h) if cfg.ple_dim else None
+
+    ropes = {}
+    for layer in cfg.layers:
+        key = (layer.kind, layer.head_dim)
+        if key not in ropes:
+            ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
+
+    new_kv: dict[int, tuple[jax.Array, jax.Array]] = {}
+    for layer, lp in zip(cfg.layers, params["layers"], strict=True):
+        eps = cfg.rms_norm_eps
+        cos, sin = ropes[(layer.kind, layer.head_dim)]
+        x = rms_norm(h, lp["input_layernorm"], eps)
+        q = linear(x, lp["q_proj"]).reshape(b, t, cfg.num_heads, layer.head_dim)
+        q = apply_rope(rms_norm(q, lp["q_norm"], eps), cos, sin)
+        if layer.owns_cache:
+            k_raw = linear(x, lp["k_proj"]).reshape(b, t, layer.num_kv_heads, layer.head_dim)
+            v = k_raw if layer.k_eq_v else linear(x, lp["v_proj"]).reshape(k_raw.shape)
+            k = apply_rope(rms_norm(k_raw, lp["k_norm"], eps), cos, sin)
+            if cfg.has_v_norm:
+                v = rms_norm(v, None, eps)
+            new_kv[layer.index] = (k, v)
+        k, v = new_kv[layer.kv_source]
+        entry = cache[layer_key(layer.kv_source)]
+        cached = entry if all_slots else {name: arr[slots] for name, arr in entry.items()}
+        attn = attention(
+            q, k, v, cached, positions, starts, n_valid,
+            window=cfg.sliding_window if layer.is_sliding else None,
+            ring=layer.is_sliding,
+            scale=cfg.query_scale,
+            softcap=cfg.attn_logit_softcap,
+        )
+        attn = rms_norm(linear(attn, lp["o_proj"]), lp["post_attention_layernorm"], eps)
+        h = h + attn
+
+        x = rms_norm(h, lp["pre_feedforward_layernorm"], eps)
+        mlp = linear(jax.nn.gelu(linear(x, lp["gate_proj"]), approximate=True) * linear(x, lp["up_proj"]),
+                     lp["down_proj"])
+        h = h + rms_norm(mlp, lp["post_feedforward_layernorm"], eps)
+
+        if ple is not None:
+            gate = jax.nn.gelu(linear(h, lp["per_layer_input_gate"]), approximate=True)
+            extra = linear(gate * ple[:, :, layer.index, :], lp["per_layer_projection"])
+            h = h + rms_norm(extra, lp["post_per_layer_input_norm"], eps)
+        if cfg.has_layer_scalar:
+            h = h * lp["layer_scalar"].astype(dtype)
+
+    cache = write_chunk(cache, new_kv, cfg, positions, n_valid, slots)
+    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    if logits_mode == "hidden":
+        return h, cache
+    if logits_mode == "last":
+        last = jnp.clip(n_valid - 1, 0, t - 1)
+        h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    return lm_head(params, cfg, h), cache
+
+
+def lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    weight = params["lm_head"] if params.get("lm_head") is not None else params["embed"]
+    logits = linear(h, weight).astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        cap = cfg.final_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+def write_chunk(
+    cache: KVCache,
+    new_kv: dict[int, tuple[jax.Array, jax.Array]],
+    cfg: ModelConfig,
+    positions: jax.Array,
+    n_valid: jax.Array,
+    slots: jax.Array,
+) -> KVCache:
+    """Scatter each owning layer's chunk K/V into its slot cache; padding and overwritten ring
+    entries are dropped (index past the end) so no two writes hit one index."""
+    t = positions.shape[1]
+    chunk_idx = jnp.arange(t)[None, :]
+    out = dict(cache)
+    for index, (k, v) in new_kv.items():
+        layer = cfg.layers[index]
+        entry = dict(cache[layer_key(index)])
+        length = entry["k"].shape[1]
+        keep = chunk_idx < n_valid[:, None]
+        if layer.is_sliding:
+            keep &= chunk_idx >= n_valid[:, None] - length  # only the last `length` survive in the ring
+            target = jnp.mod(positions, length)
+        else:
+            target = positions
+        target = jnp.where(keep, target, length)
+        rows = slots[:, None]
+        if "k_scale" in entry:
+            for name, value in (("k", k), ("v", v)):
+                q, s = quantize_kv(value)
+                entry[name] = entry[name].at[rows, target].set(q, mode="drop")
+                entry[name + "_scale"] = entry[name + "_scale"].at[rows, target].set(s, mode="drop")
+        else:
+            entry["k"] = entry["k"].at[rows, target].set(k.astype(entry["k"].dtype), mode="drop")
+            entry["v"] = entry["v"].at[rows, target].set(v.astype(entry["v"].dtype), mode="drop")
+        out[layer_key(index)] = entry
+    return out
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per position and head: x [B, T, kh, d] -> (int8 [B, T, kh, d], f32 [B, T, kh])."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0
+    q = jnp.round(x32 / jnp.where(scale == 0, 1.0, scale)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale

@@ -1,0 +1,157 @@
+"""Turn a checkpoint source into the model's parameter tree on the device, one tensor at a time.
+
+Host memory stays near one tensor beyond what the device holds: each tensor is read (memory-mapped
+or dequantized), converted, placed and dropped before the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.config import ModelConfig, expected_tensor_shapes
+from core.loaders import CheckpointSource, check_tensors
+
+log = logging.getLogger(__name__)
+
+NORM_SUFFIXES = ("layernorm.weight", "_norm.weight", "norm.weight")
+LAYER_NAMES = {
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm",
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+    "layer_scalar": "layer_scalar",
+    "per_layer_input_gate.weight": "per_layer_input_gate",
+    "per_layer_projection.weight": "per_layer_projection",
+    "post_per_layer_input_norm.weight": "post_per_layer_input_norm",
+}
+TOP_NAMES = {
+    "embed_tokens.weight": "embed",
+    "norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+    "embed_tokens_per_layer.weight": "embed_per_layer",
+    "per_layer_model_projection.weight": "per_layer_model_projection",
+    "per_layer_projection_norm.weight": "per_layer_projection_norm",
+}
+# Matrices that int8 weight storage quantizes (per output row); norms and scalars stay in float.
+INT8_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "per_layer_input_gate", "per_layer_projection", "embed", "lm_head", "per_layer_model_projection"}
+
+
+@dataclass(frozen=True)
+class WeightPolicy:
+    dtype: str = "float32"  # compute dtype
+    int8_matrices: bool = False  # big matrices as int8 with per-row scales
+    int4_ple: bool = False  # the per-layer-embedding table as packed int4 with per-row scales
+
+
+def quantize_rows_int8(w: np.ndarray) -> dict[str, np.ndarray]:
+    w = w.astype(np.float32)
+    scale = np.abs(w).max(axis=1) / 127.0
+    q = np.clip(np.round(w / np.where(scale == 0, 1.0, scale)[:, None]), -127, 127).astype(np.int8)
+    return {"q": q, "s": scale.astype(np.float32)}
+
+
+def quantize_rows_int4(w: np.ndarray) -> dict[str, np.ndarray]:
+    """Symmetric int4 per row, two values per byte (low nibble first), stored offset by +8."""
+    w = w.astype(np.float32)
+    if w.shape[1] % 2:
+        raise ValueError("int4 packing needs an even row length")
+    scale = np.abs(w).max(axis=1) / 7.0
+    q = np.clip(np.round(w / np.where(scale == 0, 1.0, scale)[:, None]), -7, 7).astype(np.int16) + 8
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    return {"q4": packed, "s": scale.astype(np.float32)}
+
+
+def load_params(
+    source: CheckpointSource,
+    cfg: ModelConfig,
+    policy: WeightPolicy = WeightPolicy(),
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    expected, optional = expected_tensor_shapes(cfg)
+    check_tensors(source, expected, optional)
+    present = set(source.names())
+    params: dict[str, Any] = {"layers": [{} for _ in cfg.layers], "lm_head": None}
+    wanted = [name for name in expected if name in present and _is_used(name, cfg)]
+    dtype = jnp.dtype(policy.dtype)
+    for done, name in enumerate(wanted, 1):
+        array = np.asarray(source.read(name))
+        key, target = _destination(name, params)
+        target[key] = _place(array, key, name, cfg, policy, dtype)
+        del array
+        if progress:
+            progress(done, len(wanted))
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = None  # the output projection is the embedding table
+    return params
+
+
+def _is_used(name: str, cfg: ModelConfig) -> bool:
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return False
+    if name.startswith("layers."):
+        index = int(name.split(".")[1])
+        if not cfg.layers[index].owns_cache and any(
+            part in name for part in ("k_proj", "v_proj", "k_norm")
+        ):
+            return False  # shared layers read their source layer's K/V
+    return True
+
+
+def _destination(name: str, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        return LAYER_NAMES[rest], params["layers"][int(index)]
+    return TOP_NAMES[name], params
+
+
+def _place(array: np.ndarray, key: str, name: str, cfg: ModelConfig, policy: WeightPolicy, dtype: Any) -> Any:
+    if name.endswith(NORM_SUFFIXES):
+        # Fold Gemma 3's (1 + w) into the stored multiplier, in float32 as transformers computes it.
+        array = array.astype(np.float32) + np.float32(cfg.norm_offset)
+        return jax.device_put(array.astype(dtype))
+    if key == "embed_per_layer" and policy.int4_ple:
+        return jax.device_put(quantize_rows_int4(array))
+    if key in INT8_TARGETS and policy.int8_matrices:
+        return jax.device_put(quantize_rows_int8(array))
+    if array.dtype != dtype:
+        array = array.astype(np.float32).astype(dtype) if array.dtype.kind == "V" else array.astype(dtype)
+    return jax.device_put(array)
+
+
+def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, std: float = 0.02) -> dict[str, Any]:
+    """Random weights of the right shapes (benchmarks of model sizes we hold no checkpoint for)."""
+    expected, optional = expected_tensor_shapes(cfg)
+    rng = np.random.default_rng(seed)
+    params: dict[str, Any] = {"layers": [{} for _ in cfg.layers], "lm_head": None}
+    for name, shape in expected.items():
+        if name in optional or not _is_used(name, cfg):
+            continue
+        key, target = _destination(name, params)
+        if name.endswith(NORM_SUFFIXES) or key == "layer_scalar":
+            value = np.full(shape, 1.0 - cfg.norm_offset, np.float32)
+            value = value + np.float32(cfg.norm_offset)
+        else:
+            value = (rng.standard_normal(shape, dtype=np.float32) * std)
+        target[key] = jax.device_put(value.astype(dtype))
+    return params
+
+
+def param_bytes(params: dict[str, Any]) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
