@@ -164,10 +164,8 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         if (src.head_dim, src.num_kv_heads) != (layer.head_dim, layer.num_kv_heads):
             raise ConfigError(f"layer {layer.index} shares KV with layer {src.index} of another shape")
 
-    if family == "gemma3":
-        query_scale = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
-    else:
-        query_scale = 1.0  # Gemma 4 relies on q_norm/k_norm instead of 1/sqrt(d)
+    # Gemma 4 relies on q_norm/k_norm instead of 1/sqrt(d).
+    query_scale = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if family == "gemma3" else 1.0
     eos = cfg.get("eos_token_id", 1)
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])) if eos is not None else ()
     ple_dim = int(cfg.get("hidden_size_per_layer_input") or 0) if family == "gemma4" else 0
@@ -293,11 +291,9 @@ def expected_tensor_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]]
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
     optional: set[str] = set()
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    else:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-        optional.add("lm_head.weight")
+    shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    if cfg.tie_word_embeddings:
+        optional.add("lm_head.weight")  # tied checkpoints may still carry a copy
     if cfg.ple_dim:
         total = cfg.num_layers * cfg.ple_dim
         shapes["embed_tokens_per_layer.weight"] = (cfg.ple_vocab_size, total)

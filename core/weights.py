@@ -135,8 +135,10 @@ def _place(array: np.ndarray, key: str, name: str, cfg: ModelConfig, policy: Wei
     return jax.device_put(array)
 
 
-def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, std: float = 0.02) -> dict[str, Any]:
-    """Random weights of the right shapes (benchmarks of model sizes we hold no checkpoint for)."""
+def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, std: float = 0.02,
+                  norm_std: float = 0.0) -> dict[str, Any]:
+    """Random weights of the right shapes, for tests and for benchmarks of sizes we hold no checkpoint of.
+    Norm multipliers and layer scalars are 1 + N(0, norm_std)."""
     expected, optional = expected_tensor_shapes(cfg)
     rng = np.random.default_rng(seed)
     params: dict[str, Any] = {"layers": [{} for _ in cfg.layers], "lm_head": None}
@@ -144,11 +146,10 @@ def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, std: 
         if name in optional or not _is_used(name, cfg):
             continue
         key, target = _destination(name, params)
-        if name.endswith(NORM_SUFFIXES) or key == "layer_scalar":
-            value = np.full(shape, 1.0 - cfg.norm_offset, np.float32)
-            value = value + np.float32(cfg.norm_offset)
-        else:
-            value = (rng.standard_normal(shape, dtype=np.float32) * std)
+        is_multiplier = name.endswith(NORM_SUFFIXES) or key == "layer_scalar"
+        value = rng.standard_normal(shape, dtype=np.float32) * (norm_std if is_multiplier else std)
+        if is_multiplier:
+            value += 1.0
         target[key] = jax.device_put(value.astype(dtype))
     return params
 

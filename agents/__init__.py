@@ -1,0 +1,1 @@
+"""slotserve agents package."""

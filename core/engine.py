@@ -1,0 +1,259 @@
+"""The slot engine: one resident model, S KV slots, a fixed set of compiled steps.
+
+Verbs the scheduler reads aloud: `prefill` a slot from position P (continuing what it holds),
+`decode` one token for every slot at once, `sample` the next tokens, `save_slot` / `restore_slot`
+to and from host memory, `copy_prefix` from slot to slot on the device. Every step donates the
+cache, and every shape is compiled in `warmup()`, never per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.config import ModelConfig
+from core.kv_cache import CacheSpec, cache_bytes_per_slot, cache_length, init_cache, layer_key
+from core.model import cache_positions, forward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int = 8
+    max_len: int = 8192
+    chunk_sizes: tuple[int, ...] = (32, 128, 512)
+    kv_dtype: str | None = None  # None: the compute dtype; "int8": quantized with per-position scales
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1 or self.max_len < 1:
+            raise ValueError("num_slots and max_len must be positive")
+        if not self.chunk_sizes or sorted(set(self.chunk_sizes)) != list(self.chunk_sizes):
+            raise ValueError("chunk_sizes must be a non-empty strictly increasing tuple")
+
+
+@dataclass
+class SlotSnapshot:
+    """Host copy of a slot's KV for positions [start, end): enough to resume decoding at `end`
+    on top of a slot that holds positions 0..start-1. Ring layers keep only the positions the
+    window still needs, max(start, end - window) .. end - 1."""
+
+    start: int
+    end: int
+    layers: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # [positions, ...] per array
+    positions: dict[str, np.ndarray] = field(default_factory=dict)  # absolute positions held, per layer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for entry in self.layers.values() for a in entry.values())
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: dict[str, Any], config: EngineConfig, dtype: str) -> None:
+        self.cfg = cfg
+        self.params = params
+        self.config = config
+        self.dtype = dtype
+        self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
+        self.cache = init_cache(cfg, self.spec)
+        self.slot_ids = jax.device_put(np.arange(config.num_slots, dtype=np.int32))
+        self._prefill_fns = {
+            size: jax.jit(partial(_prefill_step, cfg=cfg), donate_argnums=(1,)) for size in config.chunk_sizes
+        }
+        self._decode_fn = jax.jit(partial(_decode_step, cfg=cfg), donate_argnums=(1,))
+        self._read_slot_fn = jax.jit(_read_slot)
+        self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
+        self._copy_fn = jax.jit(partial(_copy_prefix, cfg=cfg), donate_argnums=(0,))
+        self.compile_seconds = 0.0
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_len
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return cache_bytes_per_slot(self.cfg, self.spec)
+
+    # ---- compile -----------------------------------------------------------------------------
+    def warmup(self, progress: Callable[[str, int, int], None] | None = None) -> float:
+        """Compile every step shape now; writes only to positions no request has claimed yet."""
+        begin = time.perf_counter()
+        jobs: list[tuple[str, Callable[[], Any]]] = [
+            (f"prefill chunk {size}", partial(self._prefill_chunk, 0, np.zeros(size, np.int32), 0, size))
+            for size in self.config.chunk_sizes
+        ]
+        zeros = np.zeros(self.num_slots, np.int32)
+        jobs.append(("decode step", partial(self.decode, zeros, zeros, np.zeros(self.num_slots, bool))))
+        jobs.append(("slot save/restore", self._warm_slot_ops))
+        for i, (name, job) in enumerate(jobs):
+            if progress:
+                progress(name, i, len(jobs))
+            jax.block_until_ready(job())
+        if progress:
+            progress("ready", len(jobs), len(jobs))
+        self.compile_seconds = time.perf_counter() - begin
+        return self.compile_seconds
+
+    def _warm_slot_ops(self) -> None:
+        self.restore_slot(0, self.save_slot(0, 0, 0))
+        self.copy_prefix(0, 0, 0, 0)
+
+    # ---- prefill / decode --------------------------------------------------------------------
+    def plan_chunks(self, n: int) -> list[int]:
+        """Chunk sizes covering n tokens: the largest size that fits, then the smallest that covers the rest."""
+        sizes = self.config.chunk_sizes
+        plan = []
+        while n > 0:
+            fitting = [s for s in sizes if s <= n]
+            size = fitting[-1] if fitting else next(s for s in sizes if s >= n)
+            plan.append(size)
+            n -= min(size, n)
+        return plan
+
+    def prefill(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> jax.Array:
+        """Write tokens at positions start.. into a slot that holds 0..start-1; logits [V] of the last one."""
+        tokens = np.asarray(tokens, np.int32)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range")
+        if len(tokens) == 0:
+            raise ValueError("prefill needs at least one token")
+        if start < 0 or start + len(tokens) > self.max_len:
+            raise ValueError(f"positions {start}..{start + len(tokens) - 1} exceed the slot length {self.max_len}")
+        logits = None
+        offset = 0
+        for size in self.plan_chunks(len(tokens)):
+            piece = tokens[offset:offset + size]
+            logits = self._prefill_chunk(slot, piece, start + offset, size)
+            offset += len(piece)
+        return logits
+
+    def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int) -> jax.Array:
+        """One compiled chunk (len(tokens) <= the largest chunk size); the scheduler's unit of prefill work."""
+        size = next(s for s in self.config.chunk_sizes if s >= len(tokens))
+        return self._prefill_chunk(slot, np.asarray(tokens, np.int32), start, size)
+
+    def _prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, size: int) -> jax.Array:
+        n = len(tokens)
+        padded = np.zeros((1, size), np.int32)
+        padded[0, :n] = tokens
+        ints = np.array([[start], [n], [slot]], np.int32)
+        logits, self.cache = self._prefill_fns[size](self.params, self.cache, padded, ints)
+        return logits[0]
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> jax.Array:
+        """One token for every slot: slot s reads tokens[s] at positions[s]; idle slots write nothing.
+        Returns logits [S, V] (device)."""
+        packed = np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
+                           np.asarray(active, np.int32)])
+        logits, self.cache = self._decode_fn(self.params, self.cache, packed, self.slot_ids)
+        return logits
+
+    # ---- host tier and slot-to-slot copies ---------------------------------------------------
+    def save_slot(self, slot: int, start: int, end: int) -> SlotSnapshot:
+        """Copy positions [start, end) of a slot to host memory."""
+        if not 0 <= start <= end <= self.max_len:
+            raise ValueError(f"bad range [{start}, {end})")
+        host = jax.device_get(self._read_slot_fn(self.cache, np.int32(slot)))
+        snap = SlotSnapshot(start=start, end=end)
+        for layer in self.cfg.cache_owners:
+            key = layer_key(layer.index)
+            length = cache_length(self.cfg, layer, self.max_len)
+            first = max(start, end - length) if layer.is_sliding else start
+            positions = np.arange(first, end)
+            index = positions % length if layer.is_sliding else positions
+            snap.layers[key] = {name: np.ascontiguousarray(arr[index]) for name, arr in host[key].items()}
+            snap.positions[key] = positions
+        return snap
+
+    def restore_slot(self, slot: int, snap: SlotSnapshot) -> None:
+        """Write a snapshot back into any slot (which must hold positions 0..snap.start-1)."""
+        values: dict[str, dict[str, np.ndarray]] = {}
+        masks: dict[str, np.ndarray] = {}
+        for layer in self.cfg.cache_owners:
+            key = layer_key(layer.index)
+            length = cache_length(self.cfg, layer, self.max_len)
+            positions = snap.positions[key]
+            index = positions % length if layer.is_sliding else positions
+            mask = np.zeros(length, bool)
+            mask[index] = True
+            masks[key] = mask
+            values[key] = {}
+            for name, part in snap.layers[key].items():
+                full = np.zeros((length, *part.shape[1:]), part.dtype)
+                full[index] = part
+                values[key][name] = full
+        self.cache = self._write_slot_fn(self.cache, np.int32(slot), values, masks)
+
+    def copy_prefix(self, src: int, dst: int, n: int, src_len: int) -> None:
+        """Make slot dst hold positions 0..n-1 of slot src (which holds 0..src_len-1), on the device.
+
+        Sliding layers keep only the last `window` positions, so this works only when src's ring
+        still holds positions n-window..n-1: n == src_len, or src_len within one window.
+        """
+        if not 0 <= n <= src_len <= self.max_len:
+            raise ValueError(f"cannot copy {n} positions from a slot holding {src_len}")
+        if not self.can_resume(n, src_len):
+            raise ValueError(f"slot ring no longer holds positions {n - self.cfg.sliding_window}..{n - 1}")
+        ints = np.array([src, dst, n, src_len], np.int32)
+        self.cache = self._copy_fn(self.cache, ints)
+
+    def can_resume(self, n: int, held: int) -> bool:
+        """Whether a slot holding positions 0..held-1 can continue from position n (n <= held)."""
+        ring = min(self.cfg.sliding_window, self.max_len)
+        has_sliding = any(layer.is_sliding for layer in self.cfg.cache_owners)
+        return n == held or not has_sliding or held <= ring
+
+
+def _prefill_step(params, cache, tokens, ints, *, cfg: ModelConfig):
+    start, n_valid, slot = ints[0], ints[1], ints[2]
+    return forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False, logits_mode="last")
+
+
+def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig):
+    tokens, positions, active = packed[0], packed[1], packed[2]
+    return forward(params, cache, tokens[:, None], positions, active, slot_ids,
+                   cfg=cfg, all_slots=True, logits_mode="last")
+
+
+def _read_slot(cache, slot):
+    return jax.tree_util.tree_map(lambda a: a[slot], cache)
+
+
+def _write_slot(cache, slot, values, masks):
+    out = {}
+    for key, entry in cache.items():
+        mask = masks[key]
+        out[key] = {}
+        for name, arr in entry.items():
+            m = mask.reshape(mask.shape + (1,) * (arr.ndim - 2))
+            out[key][name] = arr.at[slot].set(jnp.where(m, values[key][name], arr[slot]))
+    return out
+
+
+def _copy_prefix(cache, ints, *, cfg: ModelConfig):
+    src, dst, n, src_len = ints[0], ints[1], ints[2], ints[3]
+    out = {}
+    for layer in cfg.cache_owners:
+        key = layer_key(layer.index)
+        entry = cache[key]
+        length = entry["k"].shape[1]
+        held = cache_positions(src_len[None], length, ring=layer.is_sliding)[0]
+        mask = (held >= 0) & (held < n)
+        out[key] = {}
+        for name, arr in entry.items():
+            m = mask.reshape(mask.shape + (1,) * (arr.ndim - 2))
+            out[key][name] = arr.at[dst].set(jnp.where(m, arr[src], arr[dst]))
+    return out

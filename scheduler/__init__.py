@@ -1,0 +1,1 @@
+"""slotserve scheduler package."""

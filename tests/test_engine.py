@@ -1,0 +1,183 @@
+"""The slot engine on tiny random models: ring and padding, prefix continuation, slot independence,
+save/restore and slot copies, int8 KV, and zero recompilations after warm-up."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.engine import Engine, EngineConfig
+from core.kv_cache import CacheSpec, init_cache
+from core.model import forward
+from core.weights import random_params
+from tiny_models import WINDOW, model_config
+
+W = WINDOW
+CHUNKS = (4, 8, 16)
+SLOTS = 3
+FAMILIES = ("gemma3", "gemma4")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request, compile_cache):
+    cfg = model_config(request.param)
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=3)
+    engine = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS), "float32")
+    engine.warmup()
+    full = jax.jit(partial(forward, cfg=cfg, all_slots=True, logits_mode="all"))
+
+    def reference(ids: np.ndarray) -> np.ndarray:
+        cache = init_cache(cfg, CacheSpec(num_slots=1, max_len=len(ids)))
+        logits, _ = full(params, cache, jnp.asarray(ids[None], jnp.int32), jnp.zeros(1, jnp.int32),
+                         jnp.full(1, len(ids), jnp.int32), jnp.zeros(1, jnp.int32))
+        return np.asarray(logits[0])
+
+    return cfg, engine, reference
+
+
+def one_slot_step(engine: Engine, slot: int, token: int, position: int) -> np.ndarray:
+    tokens = np.zeros(engine.num_slots, np.int32)
+    positions = np.zeros(engine.num_slots, np.int32)
+    active = np.zeros(engine.num_slots, bool)
+    tokens[slot], positions[slot], active[slot] = token, position, True
+    return np.asarray(engine.decode(tokens, positions, active)[slot])
+
+
+def greedy(engine: Engine, slot: int, prompt: np.ndarray, n: int) -> list[int]:
+    out = [int(np.argmax(np.asarray(engine.prefill(slot, prompt, 0))))]
+    while len(out) < n:
+        out.append(int(np.argmax(one_slot_step(engine, slot, out[-1], len(prompt) + len(out) - 1))))
+    return out
+
+
+# Lengths on both sides of the window and of every chunk size, and across (2w, 3w+1).
+LENGTHS = sorted({W - 1, W, W + 1, 2 * W + 3, 2 * W + 1, 2 * W + 5, 3 * W, 3 * W + 1, 3, 5, 15, 16, 17, 33})
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_chunked_prefill_then_decode_across_ring_equals_full_forward(setup, n):
+    cfg, engine, reference = setup
+    extra = W + 3  # decode far enough to wrap the ring
+    ids = np.random.default_rng(n).integers(3, cfg.vocab_size, size=n + extra)
+    expected = reference(ids)
+    for split in sorted({1, n // 3, n // 2, n - 1} - {0}):
+        slot = split % SLOTS
+        engine.prefill(slot, ids[:split], 0)
+        got = [np.asarray(engine.prefill(slot, ids[split:n], split))]
+        for t in range(n, n + extra):
+            got.append(one_slot_step(engine, slot, int(ids[t]), t))
+        np.testing.assert_allclose(np.stack(got), expected[n - 1:], atol=1e-4, rtol=0,
+                                   err_msg=f"length {n}, split at {split}")
+
+
+def test_plan_chunks_covers_exactly_with_fixed_sizes(setup):
+    _, engine, _ = setup
+    for n in range(1, 60):
+        plan = engine.plan_chunks(n)
+        assert all(size in CHUNKS for size in plan)
+        assert sum(plan) >= n and sum(plan[:-1]) < n
+
+
+def test_slots_are_independent(setup):
+    cfg, engine, _ = setup
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, size=int(rng.integers(2, 3 * W))) for _ in range(SLOTS)]
+    alone = [greedy(engine, 0, p, 12) for p in prompts]
+    # Together: all slots prefilled, then decoded in the same batched steps.
+    outs = [[int(np.argmax(np.asarray(engine.prefill(s, p, 0))))] for s, p in enumerate(prompts)]
+    for _ in range(11):
+        tokens = np.array([o[-1] for o in outs], np.int32)
+        positions = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, outs, strict=True)], np.int32)
+        logits = np.asarray(engine.decode(tokens, positions, np.ones(SLOTS, bool)))
+        for s in range(SLOTS):
+            outs[s].append(int(np.argmax(logits[s])))
+    assert outs == alone
+
+
+def test_save_restore_and_slot_copy_continue_bit_identically(setup):
+    cfg, engine, _ = setup
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(3, cfg.vocab_size, size=2 * W + 5)
+    follow = rng.integers(3, cfg.vocab_size, size=6)
+
+    def continuation(slot: int) -> np.ndarray:
+        logits = [np.asarray(engine.prefill(slot, follow, len(prompt)))]
+        for t, tok in enumerate(follow[:4]):
+            logits.append(one_slot_step(engine, slot, int(tok), len(prompt) + len(follow) + t))
+        return np.stack(logits)
+
+    engine.prefill(0, prompt, 0)
+    snapshot = engine.save_slot(0, 0, len(prompt))
+    baseline = continuation(0)
+    # Restore the snapshot into another slot (holding garbage from earlier tests).
+    engine.restore_slot(2, snapshot)
+    assert np.array_equal(continuation(2), baseline)
+    # Two-part snapshot: a prefix then the rest, restored on top of each other.
+    engine.prefill(0, prompt, 0)
+    first, second = engine.save_slot(0, 0, W + 2), engine.save_slot(0, W + 2, len(prompt))
+    engine.restore_slot(1, first)
+    engine.restore_slot(1, second)
+    assert np.array_equal(continuation(1), baseline)
+    # Device copy of the whole prefix.
+    engine.prefill(0, prompt, 0)
+    engine.copy_prefix(0, 1, len(prompt), len(prompt))
+    assert np.array_equal(continuation(1), baseline)
+
+
+def test_copy_of_partial_prefix_within_one_window(setup):
+    cfg, engine, reference = setup
+    ids = np.random.default_rng(13).integers(3, cfg.vocab_size, size=W)
+    engine.prefill(0, ids, 0)
+    n = W // 2
+    engine.copy_prefix(0, 1, n, len(ids))
+    np.testing.assert_allclose(np.asarray(engine.prefill(1, ids[n:], n)), reference(ids)[-1], atol=1e-4, rtol=0)
+
+
+def test_copy_of_partial_prefix_past_the_ring_is_refused(setup):
+    cfg, engine, _ = setup
+    with pytest.raises(ValueError, match="ring"):
+        engine.copy_prefix(0, 1, W, 2 * W + 1)
+
+
+def test_prefill_rejects_positions_past_the_slot(setup):
+    _, engine, _ = setup
+    with pytest.raises(ValueError, match="exceed"):
+        engine.prefill(0, np.ones(10, np.int32), engine.max_len - 5)
+
+
+def test_no_compilation_after_warmup(setup):
+    cfg, engine, _ = setup
+    compiles = []
+    listener = lambda name, *_, **__: compiles.append(name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rng = np.random.default_rng(17)
+        for n in (1, 3, 7, 9, 20, 37):
+            prompt = rng.integers(3, cfg.vocab_size, size=n)
+            greedy(engine, n % SLOTS, prompt, 4)
+        snap = engine.save_slot(1, 2, 30)
+        engine.restore_slot(2, snap)
+        engine.copy_prefix(1, 0, 5, 5)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [c for c in compiles if c == "/jax/core/compile/backend_compile_duration"] == []
+
+
+def test_int8_kv_cache_tracks_float_cache(setup):
+    cfg, engine, reference = setup
+    int8 = Engine(cfg, engine.params, EngineConfig(num_slots=2, max_len=96, chunk_sizes=CHUNKS, kv_dtype="int8"),
+                  "float32")
+    assert int8.bytes_per_slot < engine.bytes_per_slot / 3
+    ids = np.random.default_rng(21).integers(3, cfg.vocab_size, size=3 * W + 2)
+    expected = reference(ids)
+    got = [np.asarray(int8.prefill(1, ids[:2 * W], 0))]
+    for t in range(2 * W, len(ids)):
+        got.append(one_slot_step(int8, 1, int(ids[t]), t))
+    got = np.stack(got)[:-1]
+    want = expected[2 * W - 1:-1]
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
