@@ -22,6 +22,7 @@ import numpy as np
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, cache_length, init_cache, layer_key
 from core.model import cache_positions, forward
+from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,17 @@ class EngineConfig:
             raise ValueError("num_slots and max_len must be positive")
         if not self.chunk_sizes or sorted(set(self.chunk_sizes)) != list(self.chunk_sizes):
             raise ValueError("chunk_sizes must be a non-empty strictly increasing tuple")
+
+
+@dataclass
+class SampleResult:
+    """Host copies of one sampling step: tokens [R] (-1 where a mask allowed nothing), their logprobs [R],
+    and the MAX_LOGPROBS most likely tokens [R, MAX_LOGPROBS] with logprobs (callers slice what they asked)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclass
@@ -72,6 +84,12 @@ class Engine:
         self._read_slot_fn = jax.jit(_read_slot)
         self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
         self._copy_fn = jax.jit(partial(_copy_prefix, cfg=cfg), donate_argnums=(0,))
+        self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size)
+        # Top logprobs are always computed at the maximum width (a blocked top-20 costs ~1% of a decode
+        # step) so that a request's `top_logprobs` never selects another compiled program.
+        self._sample_fn = jax.jit(partial(sample, num_top=MAX_LOGPROBS), static_argnames=("needs_full",),
+                                  donate_argnums=(1,))
+        self._sample_row_fn = jax.jit(_sample_row, donate_argnums=(1,))
         self.compile_seconds = 0.0
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -96,7 +114,17 @@ class Engine:
             for size in self.config.chunk_sizes
         ]
         zeros = np.zeros(self.num_slots, np.int32)
-        jobs.append(("decode step", partial(self.decode, zeros, zeros, np.zeros(self.num_slots, bool))))
+        idle = np.zeros(self.num_slots, bool)
+        jobs.append(("decode step", partial(self.decode, zeros, zeros, idle)))
+        no_mask = np.full((self.num_slots, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
+        logits = jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32)
+        for needs_full in (False, True):
+            for mask in (None, no_mask):
+                jobs.append((f"sampler{' full' if needs_full else ''}{' masked' if mask is not None else ''}",
+                             partial(self.sample, logits, idle, zeros, mask, needs_full)))
+        for mask in (None, no_mask[:1]):
+            jobs.append((f"first-token sampler{' masked' if mask is not None else ''}",
+                         partial(self.sample_slot, 0, logits[0], 0, mask)))
         jobs.append(("slot save/restore", self._warm_slot_ops))
         for i, (name, job) in enumerate(jobs):
             if progress:
@@ -160,6 +188,28 @@ class Engine:
                            np.asarray(active, np.int32)])
         logits, self.cache = self._decode_fn(self.params, self.cache, packed, self.slot_ids)
         return logits
+
+    # ---- sampling -------------------------------------------------------------------------------
+    def begin_request(self, slot: int, params: SamplingParams, prompt_ids: list[int] | np.ndarray, seed: int) -> None:
+        """Install a request's sampling parameters and seed in a slot (once per admission)."""
+        self.sampler = set_slot(self.sampler, slot, params, prompt_ids, seed)
+
+    def sample(self, logits: jax.Array, active: np.ndarray, steps: np.ndarray, mask: np.ndarray | None = None,
+               needs_full: bool = True) -> SampleResult:
+        """Sample one token per slot from decode logits [S, V]. steps[s]: tokens the slot generated so far
+        (keys its seeded draw); mask: packed allowed tokens [S, ceil(V/32)] or None (no row constrained);
+        needs_full=False selects the cheaper program valid when no active request uses penalties or
+        top-k/top-p/min-p."""
+        out = self._sample_fn(logits, self.sampler, mask, np.asarray(steps, np.int32), np.asarray(active, bool),
+                              needs_full=needs_full)
+        *result, self.sampler = out
+        return SampleResult(*jax.device_get(result))
+
+    def sample_slot(self, slot: int, logits: jax.Array, step: int, mask: np.ndarray | None = None) -> SampleResult:
+        """Sample the token that follows a prefill (logits [V]) with the slot's own parameters."""
+        out = self._sample_row_fn(logits, self.sampler, np.int32(slot), np.int32(step), mask)
+        *result, self.sampler = out
+        return SampleResult(*jax.device_get(result))
 
     # ---- host tier and slot-to-slot copies ---------------------------------------------------
     def save_slot(self, slot: int, start: int, end: int) -> SlotSnapshot:
@@ -226,6 +276,15 @@ def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig):
     tokens, positions, active = packed[0], packed[1], packed[2]
     return forward(params, cache, tokens[:, None], positions, active, slot_ids,
                    cfg=cfg, all_slots=True, logits_mode="last")
+
+
+def _sample_row(logits, state: SamplerState, slot, step, mask):
+    """The full sampler on one slot's row of the state; the row's counts are written back."""
+    row = jax.tree_util.tree_map(lambda a: a[slot][None], state)
+    tokens, lp, top_ids, top_lp, row = sample(logits[None], row, mask, step[None], jnp.ones((1,), bool),
+                                              num_top=MAX_LOGPROBS)
+    state = jax.tree_util.tree_map(lambda full, part: full.at[slot].set(part[0]), state, row)
+    return tokens, lp, top_ids, top_lp, state
 
 
 def _read_slot(cache, slot):

@@ -1,0 +1,87 @@
+"""The `slotserve` command: generate, tokenize (and serve, once the server lands).
+
+Heavy imports happen inside each command so that `configure_environment()` runs before JAX loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {text!r}") from exc
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slotserve", description="Multi-agent Gemma serving in pure JAX")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate continuations for one or more prompts on the slot engine")
+    gen.add_argument("--model", default="default", help="'default', an HF checkpoint directory or a .gguf file")
+    gen.add_argument("--prompt", action="append", default=[], help="prompt text (BOS added); repeatable")
+    gen.add_argument("--prompt-ids", action="append", default=[], type=_parse_ids,
+                     help="comma-separated token ids fed exactly as given; repeatable")
+    gen.add_argument("--prompts-file", help="JSON lines: {\"prompt\": ...} or {\"prompt_ids\": [...]} "
+                     "with optional max_tokens, temperature, seed, top_k, top_p, min_p, ignore_eos")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    _engine_args(gen)
+
+    tok = sub.add_parser("tokenize", help="print the token ids of a text (no special tokens added)")
+    tok.add_argument("--model", default="default")
+    tok.add_argument("--text", required=True)
+    tok.add_argument("--json", action="store_true")
+    return parser
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slots", type=int, default=8, help="KV slots (concurrent sequences)")
+    parser.add_argument("--max-len", type=int, default=8192, help="positions per slot")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: by device)")
+    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: the compute dtype or int8")
+    parser.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from core.device import configure_environment
+
+    configure_environment()
+    try:
+        if args.command == "generate":
+            from core.generate_cli import run_generate
+
+            return run_generate(args)
+        if args.command == "tokenize":
+            from core.generate_cli import run_tokenize
+
+            return run_tokenize(args)
+    except (ValueError, OSError) as exc:
+        print(f"slotserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Dtype policy and XLA environment set-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from core.device import choose_dtype
+
+
+def test_explicit_override_wins_and_is_validated(monkeypatch):
+    monkeypatch.setenv("SLOTSERVE_DTYPE", "bfloat16")
+    assert choose_dtype("float16") == ("float16", "override")
+    assert choose_dtype() == ("bfloat16", "$SLOTSERVE_DTYPE")
+    with pytest.raises(ValueError, match="int3"):
+        choose_dtype("int3")
+
+
+def test_cpu_choice_is_measured(monkeypatch):
+    monkeypatch.delenv("SLOTSERVE_DTYPE", raising=False)
+    dtype, reason = choose_dtype()
+    assert dtype in ("float32", "bfloat16")
+    assert "CPU measurement" in reason and "float32" in reason and "bfloat16" in reason
+
+
+def test_xla_environment_is_set_before_jax_is_imported():
+    code = (
+        "import json, os, sys\n"
+        "from core.device import configure_environment\n"
+        "configure_environment()\n"
+        "assert 'jax' not in sys.modules\n"
+        "print(json.dumps({k: os.environ.get(k) for k in ('XLA_PYTHON_CLIENT_PREALLOCATE', 'XLA_FLAGS')}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    values = json.loads(out.stdout)
+    assert values["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert "--xla_gpu_autotune_level=0" in values["XLA_FLAGS"]
