@@ -40,3 +40,22 @@ def test_xla_environment_is_set_before_jax_is_imported():
     values = json.loads(out.stdout)
     assert values["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert "--xla_gpu_autotune_level=0" in values["XLA_FLAGS"]
+
+
+def test_persistent_compile_cache_serves_a_restarted_process(tmp_path):
+    code = (
+        "import sys\n"
+        "from core.device import configure_environment, enable_compile_cache\n"
+        "configure_environment()\n"
+        "import jax, jax.numpy as jnp\n"
+        "hits = []\n"
+        "jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))\n"
+        "enable_compile_cache(sys.argv[1])\n"
+        "jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((16, 16))).block_until_ready()\n"
+        "print(sum(h == '/jax/compilation_cache/cache_hits' for h in hits))\n"
+    )
+    runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert any(tmp_path.iterdir())
+    assert int(runs[0].stdout.strip()) == 0
+    assert int(runs[1].stdout.strip()) >= 1

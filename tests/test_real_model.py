@@ -15,6 +15,9 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "Les montagnes les plus hautes du monde sont",
     '{"name": "Alice", "age": 30, "city":',
+    "import numpy as np\nx = np.",
+    "Q: What is 12 times 12?\nA:",
+    "東京は日本の",
 ]
 NEW_TOKENS = 32
 
@@ -94,6 +97,22 @@ def test_prompt_logits_agree(real_model, hf_real_model, engine):
         top = np.argsort(-ours, axis=-1)[:, :5]
         ref_top = np.argsort(-ref, axis=-1)[:, :5]
         assert (top == ref_top).all(), text
+
+
+def test_eight_slots_decoded_together_equal_each_alone(real_model, engine, our_greedy):
+    """Slot independence on the real model: each prompt alone in slot 0 (the other slots idle) gives
+    the tokens it gave in the full batch."""
+    prompts, outs = our_greedy
+    assert len(prompts) == engine.num_slots == 8
+    steps = 12
+    idle = np.zeros(engine.num_slots, bool)
+    for prompt, together in zip(prompts, outs, strict=True):
+        alone = [int(np.argmax(np.asarray(engine.prefill(0, prompt, 0))))]
+        while len(alone) < steps:
+            tokens, positions, active = np.zeros(8, np.int32), np.zeros(8, np.int32), idle.copy()
+            tokens[0], positions[0], active[0] = alone[-1], len(prompt) + len(alone) - 1, True
+            alone.append(int(np.argmax(np.asarray(engine.decode(tokens, positions, active))[0])))
+        assert alone == together[:steps]
 
 
 def test_capital_of_france_names_paris_or_france(real_model, our_greedy):

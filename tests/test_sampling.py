@@ -1,0 +1,487 @@
+"""core.sampling: greedy, seeded sampling, truncation sets, masks, penalties, counts, logprobs, validation.
+
+Truncation tests run with a tiny candidate cap (k_max=8 on V=1000) as well as the default, so both the
+candidate fast path and the exact bisection / full-row fallbacks are checked against a numpy reference.
+Benchmark (prints timings, V=262144): `.venv/bin/python -m tests.test_sampling` from the repo root.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core import sampling
+from core.sampling import SamplingParams
+
+S, V = 8, 1000
+SAMPLE = jax.jit(sampling.sample, static_argnames=("num_top", "needs_full", "k_max"))
+ACTIVE = jnp.ones((S,), jnp.bool_)
+
+
+def make_state(params: list[SamplingParams | None], vocab: int = V, prompts: list[list[int]] | None = None,
+               seeds: list[int] | None = None) -> sampling.SamplerState:
+    state = sampling.init_state(len(params), vocab)
+    for i, p in enumerate(params):
+        if p is not None:
+            prompt = prompts[i] if prompts else []
+            state = sampling.set_slot(state, i, p, prompt, seeds[i] if seeds else 1000 + i)
+    return state
+
+
+def steps(n: int = 0) -> jax.Array:
+    return jnp.full((S,), n, jnp.int32)
+
+
+N_DRAWS = 1500  # one draw count everywhere keeps the number of compiles down
+
+
+@functools.partial(jax.jit, static_argnames=("k_max", "needs_full"))
+def draw_many(logits: jax.Array, state: sampling.SamplerState, mask: jax.Array | None,
+              k_max: int = sampling.K_MAX, needs_full: bool = True) -> jax.Array:
+    """[N_DRAWS, S] tokens for steps 0..N_DRAWS-1 (independent draws per row, state not advanced).
+
+    lax.map, not vmap, so the sampler's lax.conds stay real branches as in the decode step."""
+    s = logits.shape[0]
+    active = jnp.ones((s,), jnp.bool_)
+
+    def one(step: jax.Array) -> jax.Array:
+        step_s = jnp.full((s,), step, jnp.int32)
+        return sampling.sample(logits, state, mask, step_s, active, k_max=k_max, needs_full=needs_full)[0]
+
+    return jax.lax.map(one, jnp.arange(N_DRAWS, dtype=jnp.int32))
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = x[np.isfinite(x)].max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def ref_allowed(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Tokens a truncated draw may return, by the textbook definitions in float64."""
+    x = np.asarray(x, np.float64)
+    keep = np.isfinite(x)
+    if 0 < p.top_k < len(x):  # k >= V keeps everything
+        keep &= x >= np.sort(x)[::-1][p.top_k - 1]
+    prob = np.where(keep, np.exp((x - x[keep].max()) / p.temperature), 0.0)
+    prob /= prob.sum()
+    if p.top_p < 1:
+        greater = np.array([prob[x > xi].sum() for xi in x])  # mass of strictly more likely tokens
+        assert np.all(np.abs(greater[keep] - p.top_p) > 1e-3), "top_p too close to a boundary"
+        keep &= greater < p.top_p
+    if p.min_p:
+        ratio = prob / prob.max()
+        assert np.all(np.abs(ratio[keep] - p.min_p) > 1e-3 * p.min_p), "min_p too close to a boundary"
+        keep &= ratio >= p.min_p
+    return keep
+
+
+def head_logits(seed: int = 0) -> np.ndarray:
+    """V=1000: a geometric head of 40 tokens (ratio e^-0.15) at random positions over a low tail."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(-6.0, 1.0, V)
+    head = rng.permutation(V)[:40]
+    x[head] = 4.0 - 0.15 * np.arange(40)
+    return x.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(0).normal(size=(S, V)).astype(np.float32)
+    logits[3, [10, 20]] = 50.0  # tie -> first index, like np.argmax
+    state = make_state([SamplingParams(temperature=0.0)] * S)
+    tok, lp, *_ = SAMPLE(jnp.asarray(logits), state, None, steps(), ACTIVE)
+    np.testing.assert_array_equal(np.asarray(tok), logits.argmax(-1))
+    expect = [log_softmax(row)[t] for row, t in zip(logits, logits.argmax(-1), strict=True)]
+    np.testing.assert_allclose(np.asarray(lp), expect, atol=1e-5)
+
+
+def test_greedy_respects_mask_bias_and_penalties():
+    x = np.zeros((S, V), np.float32)
+    x[:, 0], x[:, 1], x[:, 2] = 5.0, 4.9, -3.0
+    x[4] = -5.0
+    x[4, 0], x[4, 1] = -1.0, -1.1  # negative logits: the repetition penalty multiplies
+    mask = np.ones((S, V), np.bool_)
+    mask[0, 0] = False
+    params = [
+        SamplingParams(temperature=0.0),  # 0: mask bans token 0 -> 1
+        SamplingParams(temperature=0.0, logit_bias=((0, -100.0),)),  # 1: ban -> 1
+        SamplingParams(temperature=0.0, logit_bias=((2, 100.0),)),  # 2: force -> 2
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),  # 3: 5 / 1.2 < 4.9 -> 1
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),  # 4: -1 * 1.2 < -1.1 -> 1
+        SamplingParams(temperature=0.0, frequency_penalty=0.2),  # 5: 5 - 0.2 * 1 < 4.9 after one 0
+        SamplingParams(temperature=0.0, presence_penalty=0.2),  # 6: same via presence
+        SamplingParams(temperature=0.0),  # 7: control -> 0
+    ]
+    prompts = [[], [], [], [0], [0], [], [], [0]]
+    state = make_state(params, prompts=prompts)
+    xs, packed = jnp.asarray(x), jnp.asarray(sampling.pack_mask(mask))
+    tok, *_, state = SAMPLE(xs, state, packed, steps(0), ACTIVE, num_top=5)
+    np.testing.assert_array_equal(np.asarray(tok), [1, 1, 2, 1, 1, 0, 0, 0])
+    # Rows 5, 6 now have one 0 in their output; rows 3, 4 have seen token 1 too, so it is penalised alike.
+    tok, *_ = SAMPLE(xs, state, packed, steps(1), ACTIVE, num_top=5)
+    np.testing.assert_array_equal(np.asarray(tok), [1, 1, 2, 0, 0, 1, 1, 0])
+
+
+# ------------------------------------------------------------------------------------- seeds and slots
+
+
+def test_seed_key_matches_prng_key():
+    np.testing.assert_array_equal(sampling.seed_key_data(12345), jax.random.key_data(jax.random.PRNGKey(12345)))
+
+
+def test_same_seed_and_step_reproduce():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(S, V)).astype(np.float32))
+    state = make_state([SamplingParams(temperature=1.0)] * S, seeds=[7] * S)
+    a = np.asarray(SAMPLE(logits, state, None, steps(3), ACTIVE)[0])
+    b = np.asarray(SAMPLE(logits, state, None, steps(3), ACTIVE)[0])
+    np.testing.assert_array_equal(a, b)
+    many = np.asarray(draw_many(logits, state, None))
+    assert len({tuple(r) for r in many[:20]}) > 1  # the step changes the draw
+
+
+def test_row_independent_of_slot_and_neighbours():
+    req = SamplingParams(temperature=0.9, top_p=0.8, repetition_penalty=1.2, frequency_penalty=0.3,
+                         presence_penalty=0.2, logit_bias=((3, 2.0),))
+    prompt = [5, 6, 7]
+    neighbours_a = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.95),
+                    SamplingParams(temperature=1.0, min_p=0.001), SamplingParams(temperature=2.0, top_k=50),
+                    None, SamplingParams(temperature=0.5), SamplingParams(temperature=0.0, presence_penalty=1.0)]
+    neighbours_b = [SamplingParams(temperature=0.0)] * 7
+    rng = np.random.default_rng(2)
+
+    def run(slot: int, neighbours: list[SamplingParams | None], k_max: int) -> tuple[list, list]:
+        params = list(neighbours)
+        params.insert(slot, req)
+        prompts = [[] for _ in range(S)]
+        prompts[slot] = prompt
+        state = make_state(params, prompts=prompts, seeds=[int(s) for s in rng.integers(0, 2**40, S)])
+        state = sampling.set_slot(state, slot, req, prompt, 424242)
+        toks, lps = [], []
+        for i in range(50):
+            logits = rng.normal(size=(S, V)).astype(np.float32) * 2
+            logits[slot] = head_logits(i)
+            mask = rng.random((S, V)) < 0.5
+            mask[slot] = np.arange(V) % 3 != 1
+            tok, lp, _, _, state = SAMPLE(jnp.asarray(logits), state, jnp.asarray(sampling.pack_mask(mask)),
+                                          jnp.asarray(rng.integers(0, 9, S), jnp.int32).at[slot].set(i),
+                                          ACTIVE, num_top=5, k_max=k_max)
+            toks.append(int(tok[slot]))
+            lps.append(float(lp[slot]))
+        return toks, lps
+
+    a = run(0, neighbours_a, 8)
+    b = run(5, neighbours_b, 8)
+    assert a == b
+    assert len(set(a[0])) > 5  # really sampling
+    assert all(t % 3 != 1 for t in a[0])
+
+
+def test_cheap_variant_matches_full_for_plain_rows():
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(S, V)).astype(np.float32) * 2)
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.5, 1.0, 1.5, 0.0, 0.7, 3.0, 1.0)]
+    params[3] = SamplingParams(temperature=1.5, logit_bias=((1, 3.0), (2, -1.0)), logprobs=3)
+    assert not sampling.batch_needs_full(params)
+    assert sampling.batch_needs_full([*params[:-1], SamplingParams(top_p=0.5)])
+    state = make_state(params)
+    full = draw_many(logits, state, None, k_max=8, needs_full=True)
+    cheap = draw_many(logits, state, None, k_max=8, needs_full=False)
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(cheap))
+
+
+# -------------------------------------------------------------------------------------------- truncation
+
+TRUNCATIONS = [
+    SamplingParams(temperature=1.0, top_k=5),  # inside the candidates
+    SamplingParams(temperature=1.0, top_k=20),  # beyond k_max=8: count bisection
+    SamplingParams(temperature=1.0, top_p=0.9),  # nucleus of ~15: mass bisection when k_max=8
+    SamplingParams(temperature=0.7, top_p=0.5),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=1.0, min_p=0.001),  # wide set: a second pass over the row
+    SamplingParams(temperature=0.7, top_k=30, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=1.5, top_k=12, top_p=0.97),
+]
+
+
+@pytest.mark.parametrize("k_max", [8, sampling.K_MAX])
+def test_truncation_obeys_definitions(k_max: int):
+    x = head_logits(4)
+    state = make_state(TRUNCATIONS)
+    tok = np.asarray(draw_many(jnp.asarray(np.tile(x, (S, 1))), state, None, k_max=k_max))
+    for row, p in enumerate(TRUNCATIONS):
+        allowed = ref_allowed(x, p)
+        drawn = set(tok[:, row].tolist())
+        assert drawn <= set(np.flatnonzero(allowed).tolist()), (p, sorted(drawn - set(np.flatnonzero(allowed))))
+        if allowed.sum() <= 20:
+            assert drawn == set(np.flatnonzero(allowed).tolist()), p
+
+
+def test_truncation_small_vocab_and_ties():
+    # V=40 <= k_max: the candidates are the whole vocabulary. Ties at a cut are kept (threshold sets).
+    x = np.linspace(3.0, -3.0, 40).astype(np.float32)
+    x[[7, 8]] = x[6]  # tokens 6, 7, 8 tie: top_k=7 keeps all three
+    params = [SamplingParams(temperature=1.0, top_k=7), SamplingParams(temperature=1.0, top_p=0.6),
+              SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=2.0, top_k=3, top_p=0.9), SamplingParams(temperature=0.0, top_k=3),
+              SamplingParams(temperature=1.0, top_k=39), SamplingParams(temperature=1.0, top_k=100)]
+    state = make_state(params, vocab=40)
+    tok = np.asarray(draw_many(jnp.asarray(np.tile(x, (S, 1))), state, None))
+    for row, p in enumerate(params):
+        drawn = set(tok[:, row].tolist())
+        allowed = set(np.flatnonzero(ref_allowed(x, p)).tolist()) if p.temperature else {0}
+        assert drawn <= allowed, (p, drawn - allowed)
+        if len(allowed) <= 12:
+            assert drawn == allowed, p
+    assert set(tok[:, 0].tolist()) == set(range(9))
+
+
+@pytest.mark.parametrize("k_max", [8, sampling.K_MAX])
+def test_empirical_frequencies_match(k_max: int):
+    # Two rows per setting with different seeds; frequencies within 5 sigma of the exact probabilities.
+    x = head_logits(5)
+    plist = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9),
+             SamplingParams(temperature=1.3, top_k=20), SamplingParams(temperature=1.0, min_p=0.01)]
+    params = [p for p in plist for _ in range(2)]
+    state = make_state(params)
+    n = N_DRAWS
+    tok = np.asarray(draw_many(jnp.asarray(np.tile(x, (S, 1))), state, None, k_max=k_max))
+    for i, p in enumerate(plist):
+        allowed = ref_allowed(x, p)
+        prob = np.where(allowed, np.exp((x - x.max()) / p.temperature), 0.0)
+        prob /= prob.sum()
+        freq = np.bincount(tok[:, 2 * i: 2 * i + 2].ravel(), minlength=V) / (2 * n)
+        sigma = np.sqrt(prob * (1 - prob) / (2 * n))
+        assert np.all(np.abs(freq - prob) <= 5 * sigma + 1e-3), p
+
+
+def test_temperature_moves_frequencies():
+    x = np.full(V, -30.0, np.float32)
+    x[:5] = [2.0, 1.0, 0.0, -1.0, -2.0]
+    temps = [0.25, 0.5, 1.0, 2.0]
+    params = [SamplingParams(temperature=t) for t in temps for _ in range(2)]
+    tok = np.asarray(draw_many(jnp.asarray(np.tile(x, (S, 1))), make_state(params), None))
+    top = [np.mean(tok[:, 2 * i: 2 * i + 2] == 0) for i in range(len(temps))]
+    tail = [np.mean(tok[:, 2 * i: 2 * i + 2] >= 3) for i in range(len(temps))]
+    assert top[0] > top[1] > top[2] > top[3]
+    assert tail[0] < tail[1] < tail[2] < tail[3]
+
+
+# ------------------------------------------------------------------------------------------------- masks
+
+
+def test_pack_unpack_mask_lsb_first():
+    bits = np.zeros((1, 2), np.uint32)
+    bits[0, 0] = 0b101
+    bits[0, 1] = 1 << 31
+    got = np.asarray(sampling.unpack_mask(jnp.asarray(bits), 64))
+    assert np.flatnonzero(got[0]).tolist() == [0, 2, 63]
+    rand = np.random.default_rng(6).random((3, 77)) < 0.3
+    np.testing.assert_array_equal(np.asarray(sampling.unpack_mask(jnp.asarray(sampling.pack_mask(rand)), 77)),
+                                  rand)
+    with pytest.raises(ValueError):
+        sampling.unpack_mask(jnp.asarray(bits), 100)
+
+
+def test_mask_never_violated():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(S, V)).astype(np.float32) * 3
+    mask = rng.random((S, V)) < np.array([0.5, 0.1, 0.01, 0.003, 0.5, 0.05, 0.9, 0.2])[:, None]
+    mask[3] = False
+    mask[3, [17, 999]] = True  # two allowed tokens, equally likely
+    logits[3, [17, 999]] = -50.0
+    logits[5, mask[5]] -= 100.0  # allowed tokens far below disallowed ones
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=2.0, top_k=3),
+              SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.5),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.95),
+              SamplingParams(temperature=5.0, top_k=20), SamplingParams(temperature=1.0, min_p=0.0001)]
+    tok = np.asarray(draw_many(jnp.asarray(logits), make_state(params), jnp.asarray(sampling.pack_mask(mask)),
+                               k_max=8))
+    for row in range(S):
+        assert mask[row, tok[:, row]].all(), row
+    assert set(tok[:, 3].tolist()) == {17, 999}
+
+
+def test_all_zero_mask_row_returns_minus_one():
+    logits = jnp.asarray(np.random.default_rng(8).normal(size=(S, V)).astype(np.float32))
+    mask = np.ones((S, V), np.bool_)
+    mask[[1, 6]] = False
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 4 + [SamplingParams(temperature=0.0)] * 4
+    state = make_state(params)
+    tok, lp, top_ids, top_lp, new = SAMPLE(logits, state, jnp.asarray(sampling.pack_mask(mask)), steps(),
+                                           ACTIVE, num_top=5)
+    tok, lp = np.asarray(tok), np.asarray(lp)
+    assert tok[1] == -1 and tok[6] == -1 and lp[1] == -np.inf and lp[6] == -np.inf
+    assert (np.asarray(top_ids)[[1, 6]] == -1).all()
+    assert (np.delete(tok, [1, 6]) >= 0).all() and np.isfinite(np.delete(lp, [1, 6])).all()
+    counts = np.asarray(new.counts)
+    assert counts[[1, 6]].sum() == 0 and counts.sum() == S - 2
+
+
+# ------------------------------------------------------------------------------------ counts and logprobs
+
+
+def test_counts_accumulate_only_for_active_rows_and_reset():
+    logits = jnp.asarray(np.random.default_rng(9).normal(size=(S, V)).astype(np.float32))
+    state = make_state([SamplingParams(temperature=1.0)] * S, prompts=[[1, 2]] * S)
+    active = jnp.asarray([True, False] * 4)
+    drawn = []
+    for i in range(5):
+        tok, *_, state = SAMPLE(logits, state, None, steps(i), active)
+        drawn.append(np.asarray(tok))
+    counts, seen = np.asarray(state.counts), np.asarray(state.seen)
+    drawn = np.stack(drawn)
+    for row in range(S):
+        if row % 2:
+            assert counts[row].sum() == 0 and np.flatnonzero(seen[row]).tolist() == [1, 2]
+        else:
+            np.testing.assert_array_equal(counts[row], np.bincount(drawn[:, row], minlength=V))
+            assert set(np.flatnonzero(seen[row]).tolist()) == {1, 2} | set(drawn[:, row].tolist())
+    state = sampling.set_slot(state, 2, SamplingParams(), [9], 1)
+    assert np.asarray(state.counts)[2].sum() == 0
+    assert np.flatnonzero(np.asarray(state.seen)[2]).tolist() == [9]
+    np.testing.assert_array_equal(np.asarray(state.counts)[0], counts[0])
+
+
+def test_logprobs_are_processed_untruncated():
+    rng = np.random.default_rng(10)
+    logits = rng.normal(size=(S, V)).astype(np.float32) * 2
+    mask = rng.random((S, V)) < 0.7
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, repetition_penalty=1.3, frequency_penalty=0.5,
+                             presence_penalty=0.25, logit_bias=((11, 1.5), (12, -2.0)))
+              for t, k, p in [(0.0, 0, 1.0), (0.5, 5, 1.0), (1.0, 0, 0.3), (2.0, 40, 0.9)] * 2]
+    prompts = [rng.integers(0, V, 30).tolist() for _ in range(S)]
+    state = make_state(params, prompts=prompts)
+    outputs: list[list[int]] = [[] for _ in range(S)]
+    packed = jnp.asarray(sampling.pack_mask(mask))
+    for i in range(4):
+        tok, lp, top_ids, top_lp, state = SAMPLE(jnp.asarray(logits), state, packed, steps(i), ACTIVE,
+                                                 num_top=5)
+        for row, p in enumerate(params):
+            x = logits[row].astype(np.float64)
+            seen = sorted(set(prompts[row]) | set(outputs[row]))
+            x[seen] = np.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
+            c = np.bincount(outputs[row], minlength=V)
+            x -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
+            for t, b in p.logit_bias:
+                x[t] += b
+            x[~mask[row]] = -np.inf
+            ref = log_softmax(x)
+            t_row = int(tok[row])
+            assert mask[row, t_row]
+            np.testing.assert_allclose(float(lp[row]), ref[t_row], atol=1e-4)
+            order = np.argsort(-ref, kind="stable")[:5]
+            np.testing.assert_array_equal(np.asarray(top_ids[row]), order)
+            np.testing.assert_allclose(np.asarray(top_lp[row]), ref[order], atol=1e-4)
+            assert np.all(np.diff(np.asarray(top_lp[row])) <= 0)
+            if p.temperature == 0:
+                assert t_row == order[0]
+            outputs[row].append(t_row)
+
+
+def test_block_top_k_matches_lax_top_k_with_ties():
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 6, size=(4, 1000)).astype(np.float32)  # heavy ties
+    x[1, 500:] = -np.inf
+    for k in (1, 7, 20, 200):
+        got = sampling._block_top_k(sampling._to_blocks(jnp.asarray(x), 64), k)
+        ref = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")},
+    {"top_k": -1}, {"top_k": 2.5}, {"top_k": True},
+    {"top_p": 0.0}, {"top_p": 1.01}, {"top_p": -0.5},
+    {"min_p": -0.1}, {"min_p": 1.5},
+    {"seed": -1}, {"seed": 2**64}, {"seed": 1.5},
+    {"repetition_penalty": 0.0}, {"repetition_penalty": -1.0},
+    {"frequency_penalty": 2.5}, {"presence_penalty": -3.0},
+    {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((1, -100.5),)}, {"logit_bias": ((-1, 1.0),)},
+    {"logit_bias": ((1, 1.0), (1, 2.0))}, {"logit_bias": ((1, 2, 3),)},
+    {"logit_bias": tuple((i, 1.0) for i in range(sampling.MAX_LOGIT_BIAS + 1))},
+    {"logprobs": 21}, {"logprobs": -1},
+])
+def test_params_validation(kwargs: dict):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_params_accepts_edges_and_dict_bias():
+    p = SamplingParams(temperature=0, top_p=1.0, min_p=1.0, seed=2**64 - 1, logit_bias={5: -100, 6: 100},
+                       logprobs=20, frequency_penalty=-2, presence_penalty=2)
+    assert p.logit_bias == ((5, -100.0), (6, 100.0))
+    assert p.greedy and p.needs_full
+    assert not SamplingParams(temperature=0.0, top_k=5).needs_full  # truncation is moot when greedy
+
+
+def test_set_slot_validation():
+    state = sampling.init_state(2, 50)
+    with pytest.raises(ValueError):
+        sampling.set_slot(state, 2, SamplingParams(), [], 0)
+    with pytest.raises(ValueError):
+        sampling.set_slot(state, 0, SamplingParams(), [50], 0)
+    with pytest.raises(ValueError):
+        sampling.set_slot(state, 0, SamplingParams(logit_bias=((50, 1.0),)), [], 0)
+    with pytest.raises(ValueError):
+        sampling.set_slot(state, 0, SamplingParams(), [], -5)
+
+
+# --------------------------------------------------------------------------------------------- benchmark
+
+
+def benchmark(num_slots: int = 8, vocab: int = 262144, iters: int = 30) -> None:
+    """Print jitted sample() timings (state donated, as the engine would run it)."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(num_slots, vocab)).astype(np.float32) * 3)
+    mask = np.ones((num_slots, vocab), np.bool_)
+    mask[:, rng.integers(0, vocab, vocab // 4)] = False
+    packed = jnp.asarray(sampling.pack_mask(mask))
+    fn = jax.jit(sampling.sample, static_argnames=("num_top", "needs_full", "k_max"), donate_argnames=("state",))
+    active = jnp.ones((num_slots,), jnp.bool_)
+    g, t = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
+    cases = [
+        ("greedy, needs_full=False", [g], None, {"needs_full": False}),
+        ("greedy + 20 logprobs, needs_full=False", [g], None, {"needs_full": False, "num_top": 20}),
+        ("greedy + mask, needs_full=False", [g], packed, {"needs_full": False}),
+        ("temperature, needs_full=False", [t], None, {"needs_full": False}),
+        ("temperature + mask, needs_full=False", [t], packed, {"needs_full": False}),
+        ("greedy, full", [g], None, {}),
+        ("greedy + penalties, full", [SamplingParams(temperature=0.0, repetition_penalty=1.1,
+                                                     frequency_penalty=0.5, presence_penalty=0.5)], None, {}),
+        ("temperature, full", [t], None, {}),
+        ("top_k=40 top_p=0.9, full", [SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], None, {}),
+        ("top_k=40 top_p=0.9 + mask, full", [SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], packed, {}),
+        ("min_p=0.1, full", [SamplingParams(temperature=1.0, min_p=0.1)], None, {}),
+        ("top_p=0.9 nucleus >> K_MAX (bisection), full", [SamplingParams(temperature=1.0, top_p=0.9)], None, {}),
+        ("min_p=1e-4 wide set (second pass), full", [SamplingParams(temperature=1.0, min_p=1e-4)], None, {}),
+    ]
+    print(f"sample() S={num_slots} V={vocab}, {jax.devices()[0].platform}, median / min of {iters}")
+    for name, plist, m, kw in cases:
+        state = sampling.init_state(num_slots, vocab)
+        for i in range(num_slots):
+            state = sampling.set_slot(state, i, plist[i % len(plist)], list(range(64)), i)
+        out = fn(logits, state, m, jnp.zeros((num_slots,), jnp.int32), active, **kw)
+        jax.block_until_ready(out)
+        state, times = out[-1], []
+        for i in range(iters):
+            t0 = time.perf_counter()
+            out = fn(logits, state, m, jnp.full((num_slots,), i, jnp.int32), active, **kw)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+            state = out[-1]
+        print(f"  {name:48s} {np.median(times) * 1e3:7.2f} ms  (min {np.min(times) * 1e3:6.2f})")
+
+
+if __name__ == "__main__":
+    benchmark()
