@@ -250,8 +250,7 @@ class Engine:
     def copy_prefix(self, src: int, dst: int, n: int, src_len: int) -> None:
         """Make slot dst hold positions 0..n-1 of slot src (which holds 0..src_len-1), on the device.
 
-        Sliding layers keep only the last `window` positions, so this works only when src's ring
-        still holds positions n-window..n-1: n == src_len, or src_len within one window.
+        Sliding layers keep only the last `window` positions, so this works only where `can_resume`.
         """
         if not 0 <= n <= src_len <= self.max_len:
             raise ValueError(f"cannot copy {n} positions from a slot holding {src_len}")
@@ -261,10 +260,14 @@ class Engine:
         self.cache = self._copy_fn(self.cache, ints)
 
     def can_resume(self, n: int, held: int) -> bool:
-        """Whether a slot holding positions 0..held-1 can continue from position n (n <= held)."""
+        """Whether a slot holding positions 0..held-1 can continue from position n <= held.
+
+        A query at n attends to n-window+1..n, so the ring must still hold n-window+1..n-1. It holds
+        held-window..held-1: true for n >= held-1 (so a full hit can recompute its last token), or
+        when nothing has wrapped yet (held <= window)."""
         ring = min(self.cfg.sliding_window, self.max_len)
         has_sliding = any(layer.is_sliding for layer in self.cfg.cache_owners)
-        return n == held or not has_sliding or held <= ring
+        return n >= held - 1 or not has_sliding or held <= ring
 
 
 def _prefill_step(params, cache, tokens, ints, *, cfg: ModelConfig):

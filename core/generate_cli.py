@@ -70,6 +70,10 @@ def run_generate(args: argparse.Namespace) -> int:
         ))
     engine = Engine(model.cfg, model.params, EngineConfig(num_slots=args.slots, max_len=args.max_len,
                                                           kv_dtype=args.kv_dtype), model.dtype)
+    per_slot = engine.bytes_per_slot
+    print(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}), "
+          f"{per_slot / 2**20:.1f} MiB per slot, {per_slot * engine.num_slots / 2**20:.1f} MiB in total; "
+          f"weights {model.param_bytes / 2**20:.0f} MiB {model.dtype} ({model.dtype_reason})", file=sys.stderr)
     engine.warmup(_stderr_progress("compiling"))
     begin = time.perf_counter()
     results = generate(engine, requests, frozenset(tok.stop_ids))

@@ -137,6 +137,20 @@ def test_copy_of_partial_prefix_within_one_window(setup):
     np.testing.assert_allclose(np.asarray(engine.prefill(1, ids[n:], n)), reference(ids)[-1], atol=1e-4, rtol=0)
 
 
+def test_full_hit_recomputes_the_last_token_from_a_wrapped_ring(setup):
+    """A slot holding a whole prompt past the window resumes at its last token (n = held - 1)."""
+    cfg, engine, reference = setup
+    ids = np.random.default_rng(31).integers(3, cfg.vocab_size, size=3 * W + 1)
+    engine.prefill(0, ids, 0)
+    engine.copy_prefix(0, 2, len(ids) - 1, len(ids))
+    np.testing.assert_allclose(np.asarray(engine.prefill(2, ids[-1:], len(ids) - 1)), reference(ids)[-1],
+                               atol=1e-4, rtol=0)
+    snap = engine.save_slot(0, 0, len(ids))
+    engine.restore_slot(1, snap)
+    np.testing.assert_allclose(np.asarray(engine.prefill(1, ids[-1:], len(ids) - 1)), reference(ids)[-1],
+                               atol=1e-4, rtol=0)
+
+
 def test_copy_of_partial_prefix_past_the_ring_is_refused(setup):
     cfg, engine, _ = setup
     with pytest.raises(ValueError, match="ring"):

@@ -1,0 +1,46 @@
+"""A request's state inside the scheduler, from waiting to finished."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from core.tokenizer import IncrementalDetokenizer
+from scheduler.request import GenerationRequest, RequestHandle
+from scheduler.stop_strings import StopMatcher
+
+
+class SeqState(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    id: int
+    request: GenerationRequest
+    handle: RequestHandle
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopMatcher | None
+    max_tokens: int  # the request's max_tokens, capped by the slot length
+    seed: int
+    state: SeqState = SeqState.WAITING
+    slot: int | None = None
+    cursor: int = 0  # next prompt position to prefill
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    snapshot_points: list[int] = field(default_factory=list)  # prompt positions to save to the host tier
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def agent(self) -> str:
+        return self.request.agent

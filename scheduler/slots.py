@@ -1,0 +1,37 @@
+"""The slot table: what each KV slot holds, who owns it, and which prefix of a prompt it can serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from scheduler.sequence import Sequence
+
+
+@dataclass
+class Slot:
+    index: int
+    tokens: list[int] = field(default_factory=list)  # exactly the positions whose KV the slot holds
+    session: str | None = None  # the session whose conversation the slot holds (affinity)
+    sequence: Sequence | None = None  # the running sequence, if busy
+    last_used: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.sequence is not None
+
+    @property
+    def held(self) -> int:
+        return len(self.tokens)
+
+
+def common_prefix(a: list[int] | np.ndarray, b: list[int] | np.ndarray) -> int:
+    """Length of the longest common prefix of two token sequences (vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n

@@ -1,0 +1,273 @@
+"""The scheduler on a tiny random model with the real vocabulary and tokenizer: continuous batching,
+slot affinity, prefix caching (same slot, another slot, host tier) that never changes output,
+fairness, bounded queue, cancellation and stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from core.engine import Engine, EngineConfig
+from core.sampling import SamplingParams
+from core.tokenizer import Tokenizer
+from core.weights import random_params
+from scheduler.request import ContextLengthError, FinishEvent, FinishReason, GenerationRequest, QueueFullError
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tiny_models import GEMMA3, WINDOW
+
+VOCAB = 262_144
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def engine(compile_cache):
+    from core.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict({**GEMMA3, "vocab_size": VOCAB})
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=5)
+    eng = Engine(cfg, params, EngineConfig(num_slots=8, max_len=160, chunk_sizes=(4, 16)), "float32")
+    eng.warmup()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf):
+    return Tokenizer.from_pretrained(default_gguf)
+
+
+def make(engine, tokenizer, **config) -> Scheduler:
+    # No stop ids: random weights would end streams at random; tests set lengths explicitly.
+    return Scheduler(engine, tokenizer, SchedulerConfig(**config), stop_ids=frozenset())
+
+
+def ids(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.random.default_rng(seed).integers(1000, VOCAB - 1000, size=n))
+
+
+def request(prompt, max_tokens=6, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=tuple(prompt), sampling=kw.pop("sampling", GREEDY), max_tokens=max_tokens, **kw)
+
+
+def cold(engine, tokenizer, req: GenerationRequest) -> list[int]:
+    sched = make(engine, tokenizer, prefix_caching=False)
+    handle = sched.submit(req)
+    sched.run_until_idle()
+    return handle.result(timeout=0)[0]
+
+
+def run_all(sched: Scheduler, reqs: list[GenerationRequest]):
+    handles = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    return [h.result(timeout=0) for h in handles]
+
+
+def test_second_turn_prefills_only_new_tokens_in_the_same_slot(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    p1 = ids(1, 3 * WINDOW + 5)
+    g1, _, fin1 = run_all(sched, [request(p1, session="s1")])[0]
+    assert fin1.usage.cached_tokens == 0
+    p2 = p1 + tuple(g1) + ids(2, 7)
+    before = sched.stats.prefill_tokens
+    g2, _, fin2 = run_all(sched, [request(p2, session="s1")])[0]
+    assert fin2.usage.cached_tokens == len(p1) + len(g1) - 1  # the last sampled token was never fed
+    assert sched.stats.prefill_tokens - before == 7 + 1
+    assert sched.stats.slot_reuses == 1
+    assert g2 == cold(engine, tokenizer, request(p2))
+
+
+def test_full_hit_recomputes_only_the_last_prompt_token(engine, tokenizer):
+    """The slot moved past the prompt (its ring no longer holds the prompt's end), so the hit comes from
+    the host snapshot hinted at the prompt's end."""
+    sched = make(engine, tokenizer)
+    p = ids(3, 2 * WINDOW + 3)
+    first = run_all(sched, [request(p, session="a", cache_hints=(len(p),))])[0]
+    again = run_all(sched, [request(p, session="b")])[0]
+    assert again[2].usage.cached_tokens == len(p) - 1
+    assert again[0] == first[0] == cold(engine, tokenizer, request(p))
+
+
+def test_prefix_from_another_busy_slot_is_copied_on_device(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    p = ids(4, WINDOW - 2)  # within one window: another slot can serve a partial prefix
+    a = sched.submit(request(p, max_tokens=20, session="a"))
+    sched.step()
+    b_prompt = p + ids(5, 4)
+    b = sched.submit(request(b_prompt, session="b"))
+    sched.run_until_idle()
+    assert sched.stats.device_copies == 1
+    fin_b = b.result(timeout=0)
+    assert fin_b[2].usage.cached_tokens == len(p)
+    assert fin_b[0] == cold(engine, tokenizer, request(b_prompt))
+    assert a.result(timeout=0)[0] == cold(engine, tokenizer, request(p, max_tokens=20))
+
+
+def test_evicted_session_comes_back_from_the_host_tier(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    p1 = ids(6, 4 * WINDOW)
+    g1 = run_all(sched, [request(p1, session="home")])[0][0]
+    # Eight other sessions take every slot, so "home" is evicted to the host tier.
+    run_all(sched, [request(ids(100 + i, 20), session=f"other{i}") for i in range(8)])
+    assert all(slot.session != "home" for slot in sched.slots)
+    assert sched.stats.host_saves >= 1
+    p2 = p1 + tuple(g1) + ids(7, 5)
+    g2, _, fin = run_all(sched, [request(p2, session="home")])[0]
+    assert sched.stats.host_restores == 1
+    assert fin.usage.cached_tokens == len(p1) + len(g1) - 1
+    assert g2 == cold(engine, tokenizer, request(p2))
+
+
+def test_outputs_with_caching_equal_outputs_without(engine, tokenizer):
+    """32 sessions of 4 agents sharing per-agent system prompts (longer than the window), three turns,
+    over 8 slots: every output equals its cold single-request result; system prompts hit after first use.
+    Cold results come first (each request alone, caching off), since both runs share the engine's slots."""
+    agents = [f"agent{a}" for a in range(4)]
+    system = {a: ids(200 + i, 3 * WINDOW + 2) for i, a in enumerate(agents)}
+    sessions = [(f"s{i}", agents[i % 4]) for i in range(32)]
+    turns: list[list[GenerationRequest]] = []
+    expected: list[list[list[int]]] = []
+    history = {s: system[a] for s, a in sessions}
+    for turn in range(3):
+        reqs, outs = [], []
+        for i, (s, a) in enumerate(sessions):
+            history[s] = history[s] + ids(1000 * turn + i, 3)
+            reqs.append(request(history[s], max_tokens=4, session=s, agent=a, cache_hints=(len(system[a]),)))
+            outs.append(cold(engine, tokenizer, reqs[-1]))
+            history[s] = history[s] + tuple(outs[-1])
+        turns.append(reqs)
+        expected.append(outs)
+
+    sched = make(engine, tokenizer)
+    for turn, reqs in enumerate(turns):
+        results = run_all(sched, reqs)
+        for (s, a), want, (out, _, fin) in zip(sessions, expected[turn], results, strict=True):
+            assert out == want, (turn, s)
+            if turn > 0:
+                assert fin.usage.cached_tokens >= len(system[a])
+        if turn == 0:
+            hits = [fin.usage.cached_tokens >= len(system[a]) for (_, a), (_, _, fin) in zip(sessions, results,
+                                                                                           strict=True)]
+            # The first 8 are admitted together before any system prompt is cached; all later ones hit.
+            assert sum(hits) >= 32 - 8
+    assert sched.stats.cached_tokens > 0.5 * sched.stats.prompt_tokens
+
+
+def test_new_request_joins_the_running_batch(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    running = [sched.submit(request(ids(300 + i, 10), max_tokens=30)) for i in range(7)]
+    sched.step()
+    while sched.prefilling:  # until all seven are decoding
+        sched.step()
+    submitted_at = sched.iteration
+    late = sched.submit(request(ids(400, 10), max_tokens=3))
+    for _ in range(3):
+        sched.step()
+    first_late = next(iter(late.events(timeout=0)))
+    assert first_late.iteration <= submitted_at + 1  # prefilled and sampled in the next iteration
+    assert late.finished is not None and late.finished.reason is FinishReason.LENGTH
+    assert all(h.finished is None for h in running)  # the others are still decoding
+    sched.run_until_idle()
+
+
+def test_long_prompt_delays_running_streams_by_at_most_one_chunk_per_token(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    running = [sched.submit(request(ids(500 + i, 6), max_tokens=25)) for i in range(7)]
+    sched.step()
+    sched.step()
+    chunks_before = sched.stats.prefill_chunks
+    long_prompt = sched.submit(request(ids(600, 150), max_tokens=2))
+    sched.run_until_idle()
+    assert sched.stats.prefill_chunks - chunks_before >= 150 // 16  # it took many iterations to prefill
+    for handle in running:
+        iterations = [e.iteration for e in handle.events(timeout=0) if not isinstance(e, FinishEvent)]
+        assert np.all(np.diff(iterations) <= 1)  # a token every iteration: never stalled by the prefill
+    assert long_prompt.finished.usage.completion_tokens == 2
+
+
+def test_fair_share_across_agents(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    busy = [sched.submit(request(ids(700 + i, 5), max_tokens=2, agent="busy")) for i in range(40)]
+    quiet = [sched.submit(request(ids(800 + i, 5), max_tokens=2, agent="quiet")) for i in range(3)]
+    sched.run_until_idle()
+    first = lambda h: next(iter(h.events(timeout=0))).iteration  # noqa: E731
+    last_busy = max(first(h) for h in busy)
+    assert max(first(h) for h in quiet) < last_busy / 2  # quiet agent is not starved behind the backlog
+    # Priority 3 gets three admissions for every one of priority 1.
+    sched = make(engine, tokenizer)
+    low = [sched.submit(request(ids(900 + i, 5), max_tokens=1, agent="low")) for i in range(30)]
+    high = [sched.submit(request(ids(950 + i, 5), max_tokens=1, agent="high", priority=3)) for i in range(30)]
+    sched.run_until_idle()
+    order = sorted(low + high, key=lambda h: (first(h), h in low))[:24]
+    served_high = sum(h in high for h in order)
+    assert served_high >= 2.5 * (len(order) - served_high) > 0
+
+
+def test_bounded_queue_rejects_when_full(engine, tokenizer):
+    sched = make(engine, tokenizer, max_waiting=3)
+    for i in range(3):
+        sched.submit(request(ids(i, 5)))
+    with pytest.raises(QueueFullError):
+        sched.submit(request(ids(9, 5)))
+    sched.run_until_idle()
+    sched.submit(request(ids(10, 5)))  # room again
+    sched.run_until_idle()
+
+
+def test_prompt_longer_than_the_slot_is_rejected_up_front(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    with pytest.raises(ContextLengthError, match="context length"):
+        sched.submit(request(ids(11, engine.max_len)))
+
+
+def test_generation_stops_at_the_end_of_the_slot(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    prompt = ids(12, engine.max_len - 3)
+    out, _, fin = run_all(sched, [request(prompt, max_tokens=50)])[0]
+    assert fin.reason is FinishReason.LENGTH and len(out) == 4
+
+
+def test_cancellation_frees_the_slot_within_one_iteration(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    handle = sched.submit(request(ids(13, 10), max_tokens=100))
+    waiting_one = sched.submit(request(ids(14, 10), max_tokens=100))
+    sched.step()
+    handle.cancel()
+    waiting_one.cancel()
+    sched.step()
+    assert handle.finished.reason is FinishReason.CANCELLED
+    assert waiting_one.finished.reason is FinishReason.CANCELLED
+    assert not any(slot.busy for slot in sched.slots)
+    assert sched.stats.cancelled == 2
+
+
+def test_stop_string_split_across_tokens_is_not_emitted(engine, tokenizer):
+    prompt = ids(15, 12)
+    base_ids, base_text, _ = run_all(make(engine, tokenizer), [request(prompt, max_tokens=12)])[0]
+    pieces = [tokenizer.decode([t]) for t in base_ids]
+    # A stop string straddling the boundary between two tokens' texts, in the middle of the output.
+    k = next(i for i in range(3, len(pieces) - 1) if pieces[i] and pieces[i + 1])
+    cut = len("".join(pieces[:k]))
+    stop = base_text[cut - 1:cut + 1] if cut > 0 else base_text[:2]
+    start = base_text.find(stop)
+    out_ids, text, fin = run_all(make(engine, tokenizer), [request(prompt, max_tokens=12, stop=(stop,))])[0]
+    assert fin.reason is FinishReason.STOP
+    assert text == base_text[:start]
+    assert stop not in text
+
+
+def test_threaded_loop_serves_sync_and_asyncio_callers(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    sched.start()
+    try:
+        prompt = ids(16, 9)
+        expected = cold(engine, tokenizer, request(prompt))
+        assert sched.submit(request(prompt)).result(timeout=60)[0] == expected
+
+        async def stream():
+            handle = sched.submit(request(prompt), loop=asyncio.get_running_loop())
+            return [e.token_id async for e in handle if not isinstance(e, FinishEvent)]
+
+        assert asyncio.run(stream()) == expected
+    finally:
+        sched.stop()
