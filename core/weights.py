@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from core.config import ModelConfig, expected_tensor_shapes
-from core.loaders import CheckpointSource, check_tensors
+
+if TYPE_CHECKING:  # the loaders pull in gguf, which random-weight benchmarks on bare machines lack
+    from core.loaders import CheckpointSource
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,8 @@ def load_params(
     policy: WeightPolicy = WeightPolicy(),
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
+    from core.loaders import check_tensors
+
     expected, optional = expected_tensor_shapes(cfg)
     check_tensors(source, expected, optional)
     present = set(source.names())

@@ -396,6 +396,29 @@ def test_block_top_k_matches_lax_top_k_with_ties():
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
 
 
+def test_bisect_threshold_exact():
+    # Largest c with sum(w[x >= c]) >= target, against brute force over the distinct values; the
+    # targets sit midway between consecutive f values so float32 sums cannot flip the answer.
+    rng = np.random.default_rng(12)
+    x = np.round(rng.normal(size=(4, 500)) * 4, 1).astype(np.float32)  # many ties
+    x[1, :100] = -np.inf
+    x[2] = np.abs(x[2]) + 1e-3  # all positive (one sign of the float order key)
+    w = np.where(np.isfinite(x), rng.random((4, 500)), 0.0).astype(np.float32)
+    w[3] = np.isfinite(x[3])  # count mode, as for top-k
+    targets, expect = [], []
+    for row in range(4):
+        vals = np.unique(x[row][np.isfinite(x[row])])[::-1]
+        f = np.array([w[row][x[row] >= c].sum(dtype=np.float64) for c in vals])
+        i = rng.integers(1, len(vals) - 1)
+        targets.append((f[i - 1] + f[i]) / 2)  # f(vals[i]) >= target > f(vals[i - 1])
+        expect.append(vals[i])
+    xs = jnp.asarray(x)
+    lo = jnp.min(jnp.where(jnp.isfinite(xs), xs, jnp.inf), -1)
+    got = sampling._bisect_threshold(xs, jnp.asarray(w), jnp.asarray(targets, jnp.float32), lo, xs.max(-1),
+                                     jnp.asarray([True, True, True, True]))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expect, np.float32))
+
+
 # ---------------------------------------------------------------------------------------------- validation
 
 
@@ -466,21 +489,24 @@ def benchmark(num_slots: int = 8, vocab: int = 262144, iters: int = 30) -> None:
         ("top_p=0.9 nucleus >> K_MAX (bisection), full", [SamplingParams(temperature=1.0, top_p=0.9)], None, {}),
         ("min_p=1e-4 wide set (second pass), full", [SamplingParams(temperature=1.0, min_p=1e-4)], None, {}),
     ]
-    print(f"sample() S={num_slots} V={vocab}, {jax.devices()[0].platform}, median / min of {iters}")
+    print(f"sample() S={num_slots} V={vocab}, {jax.devices()[0].platform}: wall median (min) of {iters}, "
+          "and median process CPU time (all threads)")
     for name, plist, m, kw in cases:
         state = sampling.init_state(num_slots, vocab)
         for i in range(num_slots):
             state = sampling.set_slot(state, i, plist[i % len(plist)], list(range(64)), i)
         out = fn(logits, state, m, jnp.zeros((num_slots,), jnp.int32), active, **kw)
         jax.block_until_ready(out)
-        state, times = out[-1], []
+        state, times, cpu = out[-1], [], []
         for i in range(iters):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = fn(logits, state, m, jnp.full((num_slots,), i, jnp.int32), active, **kw)
             jax.block_until_ready(out)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             state = out[-1]
-        print(f"  {name:48s} {np.median(times) * 1e3:7.2f} ms  (min {np.min(times) * 1e3:6.2f})")
+        print(f"  {name:48s} {np.median(times) * 1e3:7.2f} ms  (min {np.min(times) * 1e3:6.2f}, "
+              f"process CPU {np.median(cpu) * 1e3:6.2f})")
 
 
 if __name__ == "__main__":
