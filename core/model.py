@@ -86,43 +86,42 @@ def cache_positions(starts: jax.Array, length: int, ring: bool) -> jax.Array:
 
 def attention(
     q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
     cached: dict[str, jax.Array],
     positions: jax.Array,
-    starts: jax.Array,
-    n_valid: jax.Array,
+    held: jax.Array,
+    chunk: tuple[jax.Array, jax.Array, jax.Array] | None,
     *,
     window: int | None,
     ring: bool,
     scale: float,
     softcap: float | None,
 ) -> jax.Array:
-    """Attention of chunk queries over the pre-call cache plus the chunk itself.
+    """Attention of the queries over a row's cache plus (optionally) keys not yet in the cache.
 
-    q [B, T, nh, d]; k_new, v_new [B, T, kh, d]; cached["k"/"v"] [B, L, kh, d] (int8 with
-    "k_scale"/"v_scale" [B, L, kh] when quantized); positions [B, T]; starts, n_valid [B].
-    Returns [B, T, nh * d].
+    q [B, T, nh, d]; cached["k"/"v"] [B, L, kh, d] (int8 with "k_scale"/"v_scale" [B, L, kh] when
+    quantized), holding positions 0..held-1 of each row (a ring: the last L of them); chunk = (k, v,
+    n_valid): this call's own keys [B, T, kh, d] of which the first n_valid[b] are real, or None when
+    they were written into the cache first. positions [B, T] of the queries. Returns [B, T, nh * d].
     """
     b, t, nh, d = q.shape
-    kh = k_new.shape[2]
-    qg = q.reshape(b, t, kh, nh // kh, d)
     ck, cv = cached["k"], cached["v"]
+    kh = ck.shape[2]
     length = ck.shape[1]
+    qg = q.reshape(b, t, kh, nh // kh, d)
     quantized = "k_scale" in cached
 
-    s_cache = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(q.dtype) if quantized else ck)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(q.dtype) if quantized else ck)
     if quantized:
-        s_cache = s_cache * jnp.transpose(cached["k_scale"], (0, 2, 1))[:, :, None, None, :].astype(q.dtype)
-    s_new = jnp.einsum("btkgd,bskd->bkgts", qg, k_new)
-    scores = jnp.concatenate([s_cache, s_new], axis=-1).astype(jnp.float32) * scale
+        scores = scores * jnp.transpose(cached["k_scale"], (0, 2, 1))[:, :, None, None, :].astype(q.dtype)
+    key_pos = cache_positions(held, length, ring)  # [B, L]
+    if chunk is not None:
+        k_new, v_new, n_valid = chunk
+        scores = jnp.concatenate([scores, jnp.einsum("btkgd,bskd->bkgts", qg, k_new)], axis=-1)
+        chunk_pos = jnp.where(jnp.arange(t)[None, :] < n_valid[:, None], positions, -1)  # padding: no key
+        key_pos = jnp.concatenate([key_pos, chunk_pos], axis=-1)  # [B, L + T]
+    scores = scores.astype(jnp.float32) * scale
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
-
-    key_pos_cache = cache_positions(starts, length, ring)  # [B, L]
-    chunk_idx = jnp.arange(t)
-    key_pos_new = jnp.where(chunk_idx[None, :] < n_valid[:, None], positions, -1)  # padding: no key
-    key_pos = jnp.concatenate([key_pos_cache, key_pos_new], axis=-1)  # [B, L + T]
     qpos = positions[:, :, None]
     allowed = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= qpos)
     if window is not None:
@@ -130,11 +129,13 @@ def attention(
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
 
-    p_cache, p_new = probs[..., :length], probs[..., length:]
+    p_cache = probs[..., :length]
     if quantized:
         p_cache = p_cache * jnp.transpose(cached["v_scale"], (0, 2, 1))[:, :, None, None, :].astype(q.dtype)
         cv = cv.astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", p_cache, cv) + jnp.einsum("bkgts,bskd->btkgd", p_new, v_new)
+    out = jnp.einsum("bkgts,bskd->btkgd", p_cache, cv)
+    if chunk is not None:
+        out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., length:], chunk[1])
     return out.reshape(b, t, nh * d)
 
 
@@ -182,6 +183,11 @@ def forward(
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
 
+    # One token per row (decode): scatter it into the cache before any layer reads the cache, so the
+    # donated cache is updated in place (a read before a later scatter makes XLA copy it whole). The
+    # attention is the same either way: the cache's own entry at the new position is masked out and the
+    # new key is attended to directly. Longer chunks are written last: a chunk may be longer than the ring.
+    write_first = t == 1
     new_kv: dict[int, tuple[jax.Array, jax.Array]] = {}
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         eps = cfg.rms_norm_eps
@@ -196,11 +202,12 @@ def forward(
             if cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
             new_kv[layer.index] = (k, v)
-        k, v = new_kv[layer.kv_source]
+            if write_first:
+                cache = write_chunk(cache, {layer.index: (k, v)}, cfg, positions, n_valid, slots)
         entry = cache[layer_key(layer.kv_source)]
         cached = entry if all_slots else {name: arr[slots] for name, arr in entry.items()}
         attn = attention(
-            q, k, v, cached, positions, starts, n_valid,
+            q, cached, positions, starts, (*new_kv[layer.kv_source], n_valid),
             window=cfg.sliding_window if layer.is_sliding else None,
             ring=layer.is_sliding,
             scale=cfg.query_scale,
@@ -221,7 +228,8 @@ def forward(
         if cfg.has_layer_scalar:
             h = h * lp["layer_scalar"].astype(dtype)
 
-    cache = write_chunk(cache, new_kv, cfg, positions, n_valid, slots)
+    if not write_first:
+        cache = write_chunk(cache, new_kv, cfg, positions, n_valid, slots)
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if logits_mode == "hidden":
         return h, cache
