@@ -27,6 +27,7 @@ import numpy as np
 from core.engine import Engine, SampleResult, SlotSnapshot
 from core.sampling import batch_needs_full
 from core.tokenizer import Tokenizer
+from scheduler.grammar import fill_masks
 from scheduler.host_tier import HostTier
 from scheduler.request import (
     ContextLengthError,
@@ -299,6 +300,11 @@ class Scheduler:
         self.stats.cached_tokens += cursor
         self.stats.cache_hit_requests += cursor > 0
 
+    def _mask_buffer(self, rows: int) -> np.ndarray:
+        """All tokens allowed ([rows, ceil(V/32)] uint32); constrained rows are overwritten by fill_masks."""
+        words = -(-self.engine.cfg.vocab_size // 32)
+        return np.full((rows, words), 0xFFFFFFFF, np.uint32)
+
     def _save_to_host(self, slot: Slot) -> None:
         if (not self.config.prefix_caching or slot.held < self.config.min_snapshot_tokens
                 or self.host.contains(slot.tokens)):
@@ -338,7 +344,11 @@ class Scheduler:
             if seq.cursor == len(seq.prompt):
                 self._prefilling.popleft()
                 seq.state = SeqState.DECODING
-                self._accept(seq, self.engine.sample_slot(slot.index, logits, step=0), 0)
+                mask = None
+                if seq.request.constraint is not None:
+                    mask = self._mask_buffer(1)
+                    fill_masks([(seq.request.constraint, 0)], mask)
+                self._accept(seq, self.engine.sample_slot(slot.index, logits, step=0, mask=mask), 0)
 
     # ---- decode ------------------------------------------------------------------------------
     def _decode(self) -> None:
@@ -354,8 +364,13 @@ class Scheduler:
             positions[seq.slot] = self.slots[seq.slot].held
             steps[seq.slot] = len(seq.generated)
             active[seq.slot] = True
-        logits = self.engine.decode(tokens, positions, active)
-        result = self.engine.sample(logits, active, steps,
+        logits = self.engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
+        constrained = [(q.request.constraint, q.slot) for q in running if q.request.constraint is not None]
+        mask = None
+        if constrained:  # fill the grammar masks on the host while the forward pass runs
+            mask = self._mask_buffer(s)
+            fill_masks(constrained, mask)
+        result = self.engine.sample(logits, active, steps, mask=mask,
                                     needs_full=batch_needs_full(q.request.sampling for q in running))
         self.stats.decode_steps += 1
         for seq in running:
@@ -370,6 +385,11 @@ class Scheduler:
         seq.generated.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
+        constraint = seq.request.constraint
+        if constraint is not None and token not in self.stop_ids and not constraint.consume(token):
+            # The mask allowed it, so this means the grammar and the mask disagree: never pass it on.
+            self._finish(seq, FinishReason.ERROR, f"grammar rejected token {token}: {constraint.error}")
+            return
         if token in self.stop_ids and not seq.request.ignore_eos:
             self._finish(seq, FinishReason.STOP)
             return
@@ -384,7 +404,7 @@ class Scheduler:
             event.top_logprobs = [(int(i), float(lp)) for i, lp in
                                   zip(result.top_ids[row][:top], result.top_logprobs[row][:top], strict=True)]
         self._emit(seq, event)
-        if stopped:
+        if stopped or (constraint is not None and constraint.is_finished()):
             self._finish(seq, FinishReason.STOP)
         elif len(seq.generated) >= seq.max_tokens or self.slots[seq.slot].held >= self.engine.max_len:
             self._finish(seq, FinishReason.LENGTH)

@@ -1,0 +1,233 @@
+"""Structured output: per-slot grammars inside the batched decode step.
+
+A request's `ConstraintSpec` (JSON schema, any JSON object, regex, choice, tool calls) is compiled
+once per (spec, tokenizer) by a `GrammarCompiler`, off the engine thread; each request then gets its
+own `GrammarMatcher`, and `fill_masks` writes the allowed-token bitmasks of all constrained slots in
+one parallel call before sampling. Backends: llguidance (default) or outlines-core, see
+`scheduler.grammar_backends`; the tool-call output format is described in `scheduler.grammar_spec`.
+
+Fail closed: a constraint the backend cannot enforce exactly raises `UnsupportedConstraintError`
+(HTTP 400) naming the feature, before any token is generated. Known departures, all in the safe
+direction (some valid outputs cannot be produced, no invalid one can): JSON is compact and object
+keys come in schema order; `format` is asserted, not just annotated; equal numbers have one spelling
+in const/enum (``1`` but not ``1.0``).
+
+Usage::
+
+    compiler = GrammarCompiler(tokenizer)          # once; compiler.warm_up() at start-up
+    compiled = compiler.compile(spec)              # or compile_async(spec) -> Future
+    m = compiler.matcher(compiled)                 # per request
+    fill_masks([(m, slot)], bitmask)               # per decode step, all constrained slots at once
+    m.consume(sampled_token)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from core.tokenizer import Tokenizer
+from scheduler.grammar_backends import Backend, GrammarMatcher, mask_words
+from scheduler.grammar_llguidance import (
+    LLGuidanceBackend,
+    LLGuidanceMatcher,
+    fill_llguidance_masks,
+    llguidance_tokenizer,
+)
+from scheduler.grammar_outlines import OutlinesCoreBackend, OutlinesMatcher
+from scheduler.grammar_spec import (
+    TOOL_CALL_MARKER,
+    ConstraintSpec,
+    UnsupportedConstraintError,
+    parse_tool_calls,
+)
+
+__all__ = [
+    "TOOL_CALL_MARKER",
+    "CompiledGrammar",
+    "ConstraintSpec",
+    "GrammarCompiler",
+    "GrammarMatcher",
+    "UnsupportedConstraintError",
+    "fill_masks",
+    "llguidance_tokenizer",
+    "parse_tool_calls",
+]
+
+BACKENDS: dict[str, type[Backend]] = {"llguidance": LLGuidanceBackend, "outlines-core": OutlinesCoreBackend}
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled, shareable grammar; `GrammarCompiler.matcher` makes per-request state from it."""
+
+    spec: ConstraintSpec
+    backend: str
+    compile_s: float  # wall time of the compile itself
+    handle: Any = field(repr=False, compare=False)  # LLMatcher template / outlines-core Index
+
+
+class GrammarCompiler:
+    """Compiles `ConstraintSpec`s for one tokenizer and backend; cached, thread-safe.
+
+    Compiles run on a small thread pool (both backends release the GIL while compiling). A compile
+    that takes longer than ``compile_timeout_s`` (counted from when it starts running) is refused, as
+    is a constraint over ``max_schema_bytes``; refusals are cached like results, so a pathological
+    schema costs one compile. ``vocab_size`` is the model's (logit) vocabulary if it is larger than
+    the tokenizer's; the extra ids are never allowed.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        backend: str = "llguidance",
+        compile_timeout_s: float = 10.0,
+        max_schema_bytes: int = 256_000,
+        cache_size: int = 256,
+        *,
+        vocab_size: int | None = None,
+        max_workers: int = 2,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown grammar backend {backend!r}; choose from {sorted(BACKENDS)}")
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.compile_timeout_s = compile_timeout_s
+        self.max_schema_bytes = max_schema_bytes
+        self.cache_size = cache_size
+        self._backend = BACKENDS[backend](tokenizer, vocab_size)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[ConstraintSpec, Future[CompiledGrammar]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Masks are [rows, ceil(vocab_size / 32)] words."""
+        return self._backend.vocab_size
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self._backend.stop_ids
+
+    def warm_up(self) -> None:
+        """Build the tokenizer bridge now (seconds, once per process and tokenizer); call at start-up."""
+        self._backend.warm_up()
+
+    def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
+        """The compiled grammar for ``spec`` (blocking); raises UnsupportedConstraintError."""
+        return self.compile_async(spec).result()
+
+    def compile_async(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:
+        """A future of the compiled grammar; concurrent requests for one spec share one compile."""
+        if not isinstance(spec, ConstraintSpec):
+            raise TypeError(f"expected a ConstraintSpec, got {type(spec).__name__}")
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None and not future.cancelled():
+                self._cache.move_to_end(spec)
+                self.hits += 1
+                return future
+            self.misses += 1
+            future = Future()
+            self._cache[spec] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        size = len(spec.value.encode())
+        if size > self.max_schema_bytes:
+            future.set_exception(
+                UnsupportedConstraintError("schema size", f"{size} bytes, over the limit of {self.max_schema_bytes}")
+            )
+            return future
+        self._pool.submit(self._run, spec, future)
+        return future
+
+    def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        """Fresh per-request state for ``compiled`` (cheap: a copy of the compiled template)."""
+        if compiled.backend != self.backend:
+            raise ValueError(f"grammar compiled by {compiled.backend}, this compiler uses {self.backend}")
+        return self._backend.matcher(compiled.handle)
+
+    def cache_info(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._cache)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _run(self, spec: ConstraintSpec, future: Future[CompiledGrammar]) -> None:
+        if future.done():  # cancelled while queued
+            return
+        # The one-time tokenizer bridge is not compile time: build it before the clock starts.
+        self._backend.warm_up()
+        timer = threading.Timer(self.compile_timeout_s, self._expire, (spec, future))
+        timer.daemon = True
+        timer.start()
+        start = time.perf_counter()
+        try:
+            handle = self._backend.compile(spec)
+        except UnsupportedConstraintError as e:
+            self._settle(future, error=e)
+        except Exception as e:  # a bug or resource error, not a verdict on the spec: do not cache it
+            with self._lock:
+                if self._cache.get(spec) is future:
+                    del self._cache[spec]
+            self._settle(future, error=e)
+        else:
+            compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle)
+            self._settle(future, result=compiled)
+        finally:
+            timer.cancel()
+
+    def _expire(self, spec: ConstraintSpec, future: Future[CompiledGrammar]) -> None:
+        # The compile itself cannot be interrupted; it finishes in the background and is dropped.
+        detail = f"compiling took longer than {self.compile_timeout_s:g} s"
+        self._settle(future, error=UnsupportedConstraintError("grammar too complex", detail))
+
+    @staticmethod
+    def _settle(
+        future: Future[CompiledGrammar], result: CompiledGrammar | None = None, error: BaseException | None = None
+    ) -> None:
+        try:  # first writer wins (compile vs. timeout vs. cancel)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+        except InvalidStateError:
+            pass
+
+
+def fill_masks(rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    """Fill the listed rows of a C-contiguous [S, ceil(V/32)] uint32 (or int32) bitmask: bit j of word
+    w allows token 32*w + j (LSB first). llguidance rows are computed in parallel without the GIL;
+    rows not listed are left untouched. A row whose matcher is finished or in error allows only the
+    stop tokens, so the sequence ends (check `GrammarMatcher.error` to tell which)."""
+    if bitmask.ndim != 2 or bitmask.dtype not in (np.uint32, np.int32) or not bitmask.flags.c_contiguous:
+        raise ValueError("bitmask must be a C-contiguous 2-D uint32 or int32 array")
+    llg_rows: list[tuple[GrammarMatcher, int]] = []
+    oc_rows: list[tuple[OutlinesMatcher, int]] = []
+    for matcher, row in rows:
+        if not 0 <= row < bitmask.shape[0]:
+            raise IndexError(f"row {row} outside a bitmask of {bitmask.shape[0]} rows")
+        if mask_words(matcher.vocab_size) != bitmask.shape[1]:
+            raise ValueError(f"{bitmask.shape[1]} words per row; the vocabulary needs {mask_words(matcher.vocab_size)}")
+        if isinstance(matcher, LLGuidanceMatcher):
+            llg_rows.append((matcher, row))
+        elif isinstance(matcher, OutlinesMatcher):
+            oc_rows.append((matcher, row))
+        else:
+            raise TypeError(f"unknown matcher type {type(matcher).__name__}")
+    if llg_rows:
+        fill_llguidance_masks(llg_rows, bitmask.view(np.int32))
+    words = bitmask.view(np.uint32)
+    for matcher, row in oc_rows:
+        matcher.fill_row(words[row])

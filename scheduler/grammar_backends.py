@@ -1,0 +1,138 @@
+"""Shared pieces of the grammar backends: the per-request matcher interface, the backend interface,
+and schema normalization.
+
+Backends (`scheduler.grammar_llguidance`, the default, and `scheduler.grammar_outlines`) work on the
+model's raw token bytes (`Tokenizer.token_bytes`: "▁" is a space, "<0xNN>" the byte NN), so a
+multi-byte character split over byte-fallback tokens is matched byte by byte, and control tokens never
+match text. Stop tokens (EOS, <end_of_turn>) are allowed exactly where the grammar accepts. JSON is
+compact (no whitespace at all), which also keeps small models from looping on whitespace.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from core.tokenizer import Tokenizer
+from scheduler.grammar_spec import ConstraintSpec, UnsupportedConstraintError
+
+__all__ = ["Backend", "GrammarMatcher", "iter_subschemas", "mask_words", "prepare_schema"]
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words per bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher(ABC):
+    """One request's position in its grammar. Not thread-safe: drive it from the engine thread."""
+
+    stop_ids: frozenset[int]
+    vocab_size: int
+
+    @abstractmethod
+    def consume(self, token: int) -> bool:
+        """Advance by one sampled token. False if it was not allowed; the matcher is then in error."""
+
+    def consume_tokens(self, tokens: list[int]) -> bool:
+        """Advance by several tokens (e.g. forced ones); False at the first one not allowed."""
+        return all(self.consume(t) for t in tokens)
+
+    @abstractmethod
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next, to append without sampling (may be empty)."""
+
+    @abstractmethod
+    def is_accepting(self) -> bool:
+        """The output so far is complete: a stop token is allowed now."""
+
+    @abstractmethod
+    def is_finished(self) -> bool:
+        """Nothing but a stop token can follow (also true after a stop token or an error)."""
+
+    @property
+    @abstractmethod
+    def error(self) -> str | None:
+        """Why the matcher stopped on a bad token or a backend limit; None while healthy."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> bool:
+        """Undo the last ``num_tokens`` consumed tokens (e.g. after a stop string); False if impossible."""
+
+
+class Backend(ABC):
+    name: str
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.stop_ids = frozenset(tokenizer.stop_ids)
+
+    @abstractmethod
+    def warm_up(self) -> None:
+        """Build the tokenizer bridge now (it is otherwise built by the first compile)."""
+
+    @abstractmethod
+    def compile(self, spec: ConstraintSpec) -> Any:
+        """A reusable compiled handle; raises UnsupportedConstraintError."""
+
+    @abstractmethod
+    def matcher(self, handle: Any) -> GrammarMatcher: ...
+
+
+# Keywords whose values are schemas (maps of schemas, single schemas, lists of schemas). Everything
+# else is data or an annotation and is not walked into.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = (
+    "additionalProperties", "items", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+    "else", "unevaluatedItems", "unevaluatedProperties",
+)  # fmt: skip
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties", "minContains",
+           "maxContains")  # fmt: skip
+
+
+def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every object subschema, the root included (iterative: schemas can be deep)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield node
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+        for key in _SCHEMA_ONE:
+            if isinstance(node.get(key), dict):
+                stack.append(node[key])
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        if isinstance(node.get("dependencies"), dict):
+            stack.extend(node["dependencies"].values())
+
+
+def prepare_schema(schema: Any) -> dict[str, Any]:
+    """Normalize a schema before handing it to a backend (``schema`` is a private copy, mutated)."""
+    if schema is True:
+        return {}
+    if schema is False:
+        raise UnsupportedConstraintError("unsatisfiable schema", "the schema is `false`: no output is valid")
+    if not isinstance(schema, dict):
+        raise UnsupportedConstraintError("schema", "a JSON schema must be an object or a boolean")
+    # Backend options ride in "x-guidance"; the user does not get to turn on lenient mode or whitespace.
+    schema.pop("x-guidance", None)
+    for sub in iter_subschemas(schema):
+        for key in _COUNTS:  # 2020-12: 2.0 is an integer; llguidance wants 2
+            if isinstance(sub.get(key), float) and sub[key].is_integer():
+                sub[key] = int(sub[key])
+        # llguidance does not make keys matched by additionalProperties/patternProperties unique, so
+        # {"a":1,"a":2} would pass minProperties=2 yet parse (last key wins) to one property.
+        open_keys = sub.get("additionalProperties") is not False or sub.get("patternProperties")
+        if isinstance(sub.get("minProperties"), int | float) and sub["minProperties"] >= 2 and open_keys:
+            raise UnsupportedConstraintError(
+                "minProperties", ">= 2 with additional or pattern properties (duplicate keys not excluded)"
+            )
+    return schema

@@ -1,0 +1,239 @@
+"""llguidance backend: exact JSON schema / regex / lark grammars, masks in parallel without the GIL."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from typing import Any
+
+import llguidance
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from core.tokenizer import Tokenizer
+from scheduler.grammar_backends import Backend, GrammarMatcher, prepare_schema
+from scheduler.grammar_spec import (
+    TOOL_CALL_MARKER,
+    ConstraintSpec,
+    UnsupportedConstraintError,
+    canonical_json,
+    not_prefixed_regex,
+    regex_literal,
+)
+
+__all__ = ["LLGuidanceBackend", "LLGuidanceMatcher", "fill_llguidance_masks", "llguidance_tokenizer"]
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    """A thin shell over an LLMatcher (a deep copy of the compiled template); stop ids are its EOS set."""
+
+    __slots__ = ("_m", "stop_ids", "vocab_size")
+
+    def __init__(self, matcher: LLMatcher, stop_ids: frozenset[int], vocab_size: int) -> None:
+        self._m = matcher
+        self.stop_ids = stop_ids
+        self.vocab_size = vocab_size
+
+    def consume(self, token: int) -> bool:
+        return self._m.consume_token(int(token))
+
+    def consume_tokens(self, tokens: list[int]) -> bool:
+        return self._m.consume_tokens([int(t) for t in tokens])
+
+    def forced_tokens(self) -> list[int]:
+        if self._m.is_stopped():
+            return []
+        return self._m.compute_ff_tokens()
+
+    def is_accepting(self) -> bool:
+        return not self._m.is_error() and self._m.is_accepting()
+
+    def is_finished(self) -> bool:
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() or None
+
+    def rollback(self, num_tokens: int) -> bool:
+        return self._m.rollback(num_tokens)
+
+
+_bridge_lock = threading.Lock()
+_llg_tokenizers: weakref.WeakKeyDictionary[Tokenizer, dict[int, LLTokenizer]] = weakref.WeakKeyDictionary()
+
+# Compact JSON, exact semantics. Applied as overrides, so nothing in the schema can change them.
+_JSON_OPTIONS: dict[str, Any] = {
+    "item_separator": ",",
+    "key_separator": ":",
+    "whitespace_flexible": False,
+    "coerce_one_of": False,
+    "lenient": False,
+}
+# Ten times the default lexer fuel for building regexes (~200 ms at worst): with the default a
+# pattern like ^(?:\S+\s+){0,49}\S+$ under maxLength ran out mid-generation and rejected valid text.
+_LIMITS = {"initial_lexer_fuel": 10_000_000, "verbose_errors": False}
+
+
+class _LLGTokenizerSource:
+    """What llguidance.TokenizerWrapper reads: raw bytes per id, special ids, and an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int) -> None:
+        special = tokenizer.special_ids
+        # Special tokens keep their names; llguidance marks them (0xFF prefix) so text never matches them.
+        self.tokens = [
+            tokenizer.id_to_token(i).encode() if i in special else tokenizer.token_bytes(i)
+            for i in range(tokenizer.vocab_size)
+        ]
+        # Logit ids past the tokenizer's vocabulary (a padded embedding) become never-allowed specials.
+        padding = range(tokenizer.vocab_size, n_vocab)
+        self.tokens += [f"<slotserve_pad_{i}>".encode() for i in padding]
+        self.special_token_ids = sorted(special) + list(padding)
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self._tok = weakref.ref(tokenizer)  # the cache is keyed weakly by the tokenizer: do not pin it
+        self._byte_ids = [tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        tok = self._tok()
+        if tok is None:
+            raise RuntimeError("tokenizer was garbage-collected")
+        if isinstance(text, str):
+            return tok.encode(text)
+        try:
+            return tok.encode(text.decode("utf-8"))
+        except UnicodeDecodeError as e:  # a partial character at the end: byte-fallback ids for it
+            return tok.encode(text[: e.start].decode("utf-8")) + [self._byte_ids[b] for b in text[e.start :]]
+
+
+def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int | None = None) -> LLTokenizer:
+    """The llguidance view of ``tokenizer`` (seconds to build for 262k tokens; built once per process)."""
+    n_vocab = vocab_size or tokenizer.vocab_size
+    with _bridge_lock:
+        per_size = _llg_tokenizers.setdefault(tokenizer, {})
+        if n_vocab not in per_size:
+            wrapper = llguidance.TokenizerWrapper(_LLGTokenizerSource(tokenizer, n_vocab))
+            per_size[n_vocab] = LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=sorted(tokenizer.stop_ids))
+        return per_size[n_vocab]
+
+
+def _llg_json(schema: Any) -> dict[str, Any]:
+    # In lark's %json the options must ride in the schema: overrides do not reach there.
+    return {**prepare_schema(schema), "x-guidance": _JSON_OPTIONS}
+
+
+def _tools_lark(spec: ConstraintSpec) -> str:
+    lines = ["start: " + ("TEXT | " + json.dumps(TOOL_CALL_MARKER) + " call" if spec.tool_mode == "auto" else "call")]
+    functions = spec.functions
+    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
+    for i, fn in enumerate(functions):
+        params = fn["parameters"]
+        if isinstance(params, dict) and "type" not in params:
+            params = {**params, "type": "object"}  # arguments are always an object
+        prefix = json.dumps(canonical_json({"name": fn["name"]})[:-1] + ',"arguments":')
+        try:
+            args = canonical_json(_llg_json(params))
+        except UnsupportedConstraintError as e:
+            raise UnsupportedConstraintError(e.feature, f"parameters of {fn['name']!r}: {e.detail}") from None
+        lines.append(f'call_{i}: {prefix} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {args}")
+    if spec.tool_mode == "auto":
+        lines.append(f"TEXT: /{not_prefixed_regex(TOOL_CALL_MARKER)}/")
+    return "\n".join(lines) + "\n"
+
+
+def llguidance_grammar(spec: ConstraintSpec) -> str:
+    """The llguidance grammar (JSON text) for ``spec``; validity is checked when a matcher is built."""
+    if spec.kind in ("json_schema", "json_object"):
+        schema = prepare_schema(spec.schema)
+        return LLMatcher.grammar_from_json_schema(canonical_json(schema), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(regex_literal(o) for o in spec.options))
+    return LLMatcher.grammar_from_lark(_tools_lark(spec))
+
+
+# llguidance error text -> the feature we name.
+_LLG_FEATURES: list[tuple[re.Pattern[str], Any]] = [
+    (re.compile(r"Unimplemented keys: \[(.*?)\]"), lambda m: ", ".join(json.loads(f"[{m[1]}]"))),
+    (re.compile(r"Unknown format: (.*)"), lambda m: f"format: {m[1]}"),
+    (re.compile(r"oneOf constraints are not supported"), lambda m: "oneOf (branches not provably exclusive)"),
+    (re.compile(r"Resource '([^']*)' is not present"), lambda m: "remote $ref"),
+    (re.compile(r"Unsatisfiable schema: (.*)"), lambda m: "unsatisfiable schema"),
+    (re.compile(r"patternProperty regexes .* are not disjoint"), lambda m: "patternProperties (overlapping)"),
+    (re.compile(r"Expected positive integer for '(\w+)'"), lambda m: m[1]),
+    (re.compile(r"Value for '(\w+)' has too many digits"), lambda m: f"{m[1]} (too many digits)"),
+    (re.compile(r"(?i)look-?around|look-?ahead|look-?behind"), lambda m: "regex lookaround"),
+    (re.compile(r"(?i)backreferences?"), lambda m: "regex backreference"),
+    (re.compile(r"too big \(limit for this grammar"), lambda m: "grammar too complex"),
+]
+
+
+def llguidance_error(spec: ConstraintSpec, message: str) -> UnsupportedConstraintError:
+    """Our error for an llguidance compile error, naming the feature it refused."""
+    lines = [line.strip() for line in message.strip().splitlines()] or ["unknown error"]
+    # Regex syntax errors put the reason on an "error: ..." line after a caret diagram; match on that
+    # line, not on text that quotes the user's pattern.
+    reason = next((line[len("error: ") :] for line in lines if line.startswith("error: ")), None)
+    key = reason or lines[0]
+    detail = f"{lines[0]} {reason}" if reason else lines[0]
+    for pattern, feature in _LLG_FEATURES:
+        m = pattern.search(key)
+        if m:
+            return UnsupportedConstraintError(feature(m), detail[:300])
+    default = {"regex": "regex", "choice": "choice", "tools": "tools"}.get(spec.kind, "schema")
+    return UnsupportedConstraintError(default, detail[:300])
+
+
+class LLGuidanceBackend(Backend):
+    name = "llguidance"
+
+    def warm_up(self) -> None:
+        llguidance_tokenizer(self.tokenizer, self.vocab_size)
+
+    def compile(self, spec: ConstraintSpec) -> LLMatcher:
+        grammar = llguidance_grammar(spec)
+        # Building the matcher is the compile (lexer, parser tables); it releases the GIL. The result
+        # is a template that `matcher` deep-copies per request.
+        template = LLMatcher(
+            llguidance_tokenizer(self.tokenizer, self.vocab_size), grammar, log_level=0,
+            limits=LLParserLimits(**_LIMITS),
+        )  # fmt: skip
+        if template.is_error():
+            error = llguidance_error(spec, template.get_error())
+            if spec.kind == "tools":  # say which function's parameters were refused
+                error = self._tools_error(spec) or error
+            raise error
+        return template
+
+    def _tools_error(self, spec: ConstraintSpec) -> UnsupportedConstraintError | None:
+        for fn in spec.functions:
+            try:
+                grammar = llguidance_grammar(ConstraintSpec.json_schema(fn["parameters"]))
+            except UnsupportedConstraintError as e:
+                return UnsupportedConstraintError(e.feature, f"parameters of {fn['name']!r}: {e.detail}")
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+            if is_error:
+                e = llguidance_error(spec, messages[0])
+                return UnsupportedConstraintError(e.feature, f"parameters of {fn['name']!r}: {e.detail}")
+        return None
+
+    def matcher(self, handle: LLMatcher) -> GrammarMatcher:
+        return LLGuidanceMatcher(handle.deep_copy(), self.stop_ids, self.vocab_size)
+
+
+_executor: LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def fill_llguidance_masks(rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    """Masks of llguidance matchers into rows of an int32 bitmask, in parallel on llguidance's pool."""
+    global _executor
+    if _executor is None:
+        with _executor_lock:
+            _executor = _executor or LLExecutor()
+    fill_next_token_bitmask_par(_executor, [(m._m, row) for m, row in rows], bitmask)  # type: ignore[attr-defined]

@@ -1,0 +1,230 @@
+"""What a request asks its output to match: `ConstraintSpec`, its errors, and the tool-call format.
+
+Tool calls (Gemma 3 has no tool tokens, so the format is ours):
+
+* ``tool_choice="required"`` or a named function: the whole output is exactly one compact JSON object
+  ``{"name":"<declared name>","arguments":{...}}`` whose arguments are valid under that function's
+  ``parameters`` schema. One call per turn (no parallel calls).
+* ``tool_choice="auto"``: either free text that does not start with `TOOL_CALL_MARKER`, or the marker
+  immediately followed by one such object, and then the end of the output.
+* ``tool_choice="none"`` (or no tools with "auto"): no constraint; `ConstraintSpec.tools` returns None.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "TOOL_CALL_MARKER",
+    "ConstraintSpec",
+    "UnsupportedConstraintError",
+    "canonical_json",
+    "parse_tool_calls",
+    "regex_literal",
+]
+
+TOOL_CALL_MARKER = "<tool_call>"
+KINDS = ("json_schema", "json_object", "regex", "choice", "tools")
+# OpenAI's rule for function names; it also keeps names safe to splice into grammar literals.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# OpenAI: a function without `parameters` takes none.
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class UnsupportedConstraintError(ValueError):
+    """A constraint we will not enforce exactly (unsupported feature, invalid or oversize input).
+
+    Raised before any token is generated; the server answers HTTP 400. ``feature`` names what was
+    refused, e.g. ``"uniqueItems"``, ``"format: color"``, ``"regex"``, ``"schema size"``.
+    """
+
+    def __init__(self, feature: str, detail: str = "") -> None:
+        self.feature = feature
+        self.detail = detail
+        super().__init__(f"unsupported constraint: {feature}" + (f" ({detail})" if detail else ""))
+
+
+def canonical_json(value: Any) -> str:
+    """Compact JSON text. Key order is kept: it is meaningful (properties are generated in that order)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise UnsupportedConstraintError("schema", f"not serializable as JSON: {e}") from None
+
+
+def regex_literal(text: str) -> str:
+    """A regex matching exactly ``text``, in syntax both llguidance and outlines-core (Rust regex) and
+    Python's re read the same way: ASCII punctuation/space/controls as ``\\xNN``, the rest literal."""
+    return "".join(c if not c.isascii() or c.isalnum() else f"\\x{ord(c):02X}" for c in text)
+
+
+def not_prefixed_regex(marker: str) -> str:
+    """A regex for any text (possibly empty) that does not start with ``marker``."""
+    alts = [regex_literal(marker[:i]) for i in range(len(marker))]  # proper prefixes, "" included
+    alts += [f"{regex_literal(marker[:i])}[^{regex_literal(marker[i])}](?s:.)*" for i in range(len(marker))]
+    return "(?:" + "|".join(alts) + ")"
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A hashable description of one output constraint; equal specs share a compiled grammar.
+
+    ``value`` is the canonical payload: compact JSON (schemas, choices, tools) or the regex itself.
+    Build specs with the classmethods, not the constructor.
+    """
+
+    kind: str
+    value: str
+    # OpenAI's `strict` flag. Enforcement is the same either way (exact, or refused), so it is not
+    # part of equality and both spellings share one cache entry.
+    strict: bool = field(default=True, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown constraint kind {self.kind!r}")
+
+    # ---- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | type, strict: bool = True) -> ConstraintSpec:
+        """A JSON schema (a dict, a boolean schema, or a pydantic model class)."""
+        if isinstance(schema, type):
+            from pydantic import BaseModel
+
+            if not issubclass(schema, BaseModel):
+                raise UnsupportedConstraintError("schema", f"{schema.__name__} is not a pydantic model")
+            schema = schema.model_json_schema()
+        if not isinstance(schema, dict | bool):
+            raise UnsupportedConstraintError("schema", "a JSON schema must be an object or a boolean")
+        return cls("json_schema", canonical_json(schema), strict)
+
+    @classmethod
+    def json_object(cls) -> ConstraintSpec:
+        """Any JSON object (OpenAI ``response_format={"type": "json_object"}``)."""
+        return cls("json_object", '{"type":"object"}')
+
+    @classmethod
+    def regex(cls, pattern: str) -> ConstraintSpec:
+        """The whole output matches ``pattern`` (Rust regex syntax, implicitly anchored)."""
+        if not isinstance(pattern, str):
+            raise UnsupportedConstraintError("regex", "the pattern must be a string")
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> ConstraintSpec:
+        """The whole output is exactly one of ``options``."""
+        if isinstance(options, str) or not options or not all(isinstance(o, str) for o in options):
+            raise UnsupportedConstraintError("choice", "choices must be a non-empty list of strings")
+        return cls("choice", canonical_json(list(dict.fromkeys(options))))
+
+    @classmethod
+    def tools(
+        cls, tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] = "auto"
+    ) -> ConstraintSpec | None:
+        """OpenAI ``tools`` + ``tool_choice``; None when the output is unconstrained ("none", or "auto"
+        without tools). Descriptions do not shape the grammar and are dropped from the spec."""
+        if tool_choice == "none":
+            return None
+        functions = _normalize_tools(tools or [])
+        if isinstance(tool_choice, dict):
+            name = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
+            if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+                raise UnsupportedConstraintError("tool_choice", f"malformed tool_choice {tool_choice!r}")
+            functions = [f for f in functions if f["name"] == name]
+            if not functions:
+                raise UnsupportedConstraintError("tool_choice", f"unknown function {name!r}")
+            mode = "required"
+        elif tool_choice in ("auto", "required"):
+            mode = tool_choice
+        else:
+            raise UnsupportedConstraintError("tool_choice", f"unknown tool_choice {tool_choice!r}")
+        if not functions:
+            if mode == "auto":
+                return None
+            raise UnsupportedConstraintError("tool_choice", "tool_choice 'required' without tools")
+        return cls("tools", canonical_json({"mode": mode, "functions": functions}))
+
+    # ---- views ----------------------------------------------------------------------------------
+
+    @property
+    def schema(self) -> Any:
+        """The JSON schema (json_schema / json_object), freshly parsed: callers may mutate it."""
+        if self.kind not in ("json_schema", "json_object"):
+            raise AttributeError(f"a {self.kind} constraint has no schema")
+        return json.loads(self.value)
+
+    @property
+    def options(self) -> list[str]:
+        if self.kind != "choice":
+            raise AttributeError(f"a {self.kind} constraint has no options")
+        return json.loads(self.value)
+
+    @property
+    def tool_mode(self) -> str:
+        """Either "auto" or "required" (a named tool_choice is "required" with only that function)."""
+        return self._tools()["mode"]
+
+    @property
+    def functions(self) -> list[dict[str, Any]]:
+        """[{"name", "parameters"}] in declaration order."""
+        return self._tools()["functions"]
+
+    def _tools(self) -> dict[str, Any]:
+        if self.kind != "tools":
+            raise AttributeError(f"a {self.kind} constraint has no tools")
+        return json.loads(self.value)
+
+
+def _normalize_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """[{"name", "parameters"}] from Chat Completions tools (also the flat Responses-API shape)."""
+    if not isinstance(tools, list):
+        raise UnsupportedConstraintError("tools", "tools must be a list")
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise UnsupportedConstraintError("tools", f"only function tools are supported, got {tool!r:.80}")
+        fn = tool.get("function", tool)
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            raise UnsupportedConstraintError("tools", f"invalid function name {name!r}")
+        if any(f["name"] == name for f in out):
+            raise UnsupportedConstraintError("tools", f"function {name!r} declared twice")
+        params = fn.get("parameters")
+        if params is None:
+            params = _NO_PARAMETERS
+        if not isinstance(params, dict | bool):
+            raise UnsupportedConstraintError("tools", f"parameters of {name!r} must be a JSON schema")
+        out.append({"name": name, "parameters": params})
+    return out
+
+
+def parse_tool_calls(text: str, spec: ConstraintSpec) -> list[dict[str, Any]] | None:
+    """The OpenAI ``tool_calls`` list for an output generated under a tools ``spec``, or None for a
+    plain text answer (auto mode). ValueError when the output is not a complete call (e.g. it was cut
+    short by max_tokens)."""
+    if spec.kind != "tools":
+        raise ValueError(f"not a tools constraint: {spec.kind}")
+    if spec.tool_mode == "auto":
+        if not text.startswith(TOOL_CALL_MARKER):
+            return None
+        text = text[len(TOOL_CALL_MARKER) :]
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"incomplete or malformed tool call: {e}") from None
+    names = {f["name"] for f in spec.functions}
+    if not (isinstance(call, dict) and call.keys() == {"name", "arguments"} and call["name"] in names):
+        raise ValueError("the output is not a call of a declared function")
+    arguments = json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))
+    return [
+        {
+            "id": f"call_{secrets.token_hex(12)}",
+            "type": "function",
+            "function": {"name": call["name"], "arguments": arguments},
+        }
+    ]

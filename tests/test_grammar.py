@@ -1,0 +1,528 @@
+"""scheduler.grammar: per-slot constraints on the real Gemma 3 vocabulary (262k tokens).
+
+One llguidance compiler is shared by the module (its tokenizer bridge takes a second or two); the
+outlines-core test builds its Index over the full vocabulary and is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from pydantic import BaseModel
+
+from scheduler.grammar import (
+    TOOL_CALL_MARKER,
+    CompiledGrammar,
+    ConstraintSpec,
+    GrammarCompiler,
+    UnsupportedConstraintError,
+    fill_masks,
+    llguidance_tokenizer,
+    parse_tool_calls,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "label": {"type": "string"}},
+    "required": ["x", "label"],
+    "additionalProperties": False,
+}
+
+
+class Pet(BaseModel):
+    name: str
+    age: int
+    tags: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf):
+    from core.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(default_gguf)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    compiler = GrammarCompiler(tokenizer)
+    start = time.perf_counter()
+    compiler.warm_up()
+    print(f"\nllguidance tokenizer bridge: {time.perf_counter() - start:.2f} s")
+    yield compiler
+    compiler.close()
+
+
+def run(compiler, spec, ids) -> tuple[bool, bool]:
+    """(every token consumed, accepting at the end)."""
+    matcher = compiler.matcher(compiler.compile(spec))
+    ok = matcher.consume_tokens(list(ids))
+    return ok, ok and matcher.is_accepting()
+
+
+def accepts(compiler, tokenizer, spec, text: str) -> bool:
+    return run(compiler, spec, tokenizer.encode(text))[1]
+
+
+def mask_after(compiler, spec, prefix_ids) -> np.ndarray:
+    """The allowed-token set (bool per id) after feeding ``prefix_ids``."""
+    matcher = compiler.matcher(compiler.compile(spec))
+    assert matcher.consume_tokens(list(prefix_ids))
+    mask = np.zeros((1, (compiler.vocab_size + 31) // 32), np.uint32)
+    fill_masks([(matcher, 0)], mask)
+    return np.unpackbits(mask[0].view(np.uint8), bitorder="little")[: compiler.vocab_size].astype(bool)
+
+
+def byte_ids(tokenizer, text: str) -> list[int]:
+    """``text`` spelled with byte-fallback tokens only (<0xNN> per UTF-8 byte)."""
+    return [tokenizer.token_to_id(f"<0x{b:02X}>") for b in text.encode()]
+
+
+# --------------------------------------------------------------------------------------------------
+# the tokenizer bridge
+# --------------------------------------------------------------------------------------------------
+
+
+def test_bridge_is_exact_on_raw_token_bytes(compiler, tokenizer):
+    bridge = llguidance_tokenizer(tokenizer)
+    assert bridge is llguidance_tokenizer(tokenizer)  # built once per process and tokenizer
+    assert bridge.vocab_size == tokenizer.vocab_size
+    assert sorted(bridge.eos_tokens) == sorted(tokenizer.stop_ids)
+    for i in range(0, tokenizer.vocab_size, 7):
+        if i in tokenizer.special_ids:
+            assert bridge.is_special_token(i)
+        else:
+            assert bridge.decode_bytes([i]) == tokenizer.token_bytes(i), i
+    assert bridge.decode_bytes([tokenizer.token_to_id("▁the")]) == b" the"
+    assert bridge.decode_bytes([tokenizer.token_to_id("<0xE6>")]) == b"\xe6"
+
+
+def test_padded_model_vocabulary(tokenizer, compiler):
+    """Logit ids past the tokenizer's vocabulary (padded embeddings) are never allowed."""
+    padded = GrammarCompiler(tokenizer, vocab_size=tokenizer.vocab_size + 100)
+    try:
+        spec = ConstraintSpec.regex("[a-z ]+")
+        matcher = padded.matcher(padded.compile(spec))
+        mask = np.zeros((1, (padded.vocab_size + 31) // 32), np.uint32)
+        fill_masks([(matcher, 0)], mask)
+        bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little").astype(bool)
+        assert not bits[tokenizer.vocab_size :].any()
+        assert (bits[: tokenizer.vocab_size] == mask_after(compiler, spec, [])).all()
+        assert not matcher.consume(tokenizer.vocab_size + 5)
+    finally:
+        padded.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# kinds and masks
+# --------------------------------------------------------------------------------------------------
+
+
+def test_every_kind_compiles(compiler):
+    specs = [
+        ConstraintSpec.json_schema(POINT),
+        ConstraintSpec.json_schema(Pet),
+        ConstraintSpec.json_schema(True),
+        ConstraintSpec.json_object(),
+        ConstraintSpec.regex(r"\d{3}-[a-z]+"),
+        ConstraintSpec.choice(["yes", "no"]),
+        ConstraintSpec.tools([WEATHER, ADD], "auto"),
+        ConstraintSpec.tools([WEATHER, ADD], "required"),
+        ConstraintSpec.tools([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}),
+    ]
+    for spec in specs:
+        compiled = compiler.compile(spec)
+        assert isinstance(compiled, CompiledGrammar) and compiled.spec == spec and compiled.backend == "llguidance"
+        assert compiler.matcher(compiled).error is None
+
+
+def test_mask_is_exactly_what_the_grammar_allows(compiler, tokenizer):
+    """Brute force: a token's bit is set iff a matcher at the same point accepts consuming it."""
+    spec = ConstraintSpec.json_schema(POINT)
+    prefix = tokenizer.encode('{"x":7,"label":"caf')
+    allowed = mask_after(compiler, spec, prefix)
+    rng = np.random.default_rng(0)
+    candidates = set(np.flatnonzero(allowed)[:300].tolist()) | set(rng.integers(0, tokenizer.vocab_size, 700).tolist())
+    candidates |= set(tokenizer.stop_ids) | {tokenizer.token_to_id(t) for t in ("<0xC3>", "<0xA9>", '"}', '"', "é")}
+    candidates |= {tokenizer.token_to_id("<start_of_turn>"), tokenizer.bos_id, tokenizer.pad_id}
+    for token in sorted(candidates):
+        ok, _ = run(compiler, spec, [*prefix, token])
+        assert ok == allowed[token], (token, tokenizer.token_bytes(token), allowed[token])
+    assert allowed[tokenizer.token_to_id("<0xC3>")] and not allowed[tokenizer.token_to_id("<0xA9>")]
+    assert not any(allowed[t] for t in tokenizer.stop_ids)  # not accepting mid-string
+    assert not any(allowed[t] for t in tokenizer.special_ids)
+
+
+def test_stop_tokens_only_where_accepting(compiler, tokenizer):
+    spec = ConstraintSpec.regex("ab|abc")
+    stops = sorted(tokenizer.stop_ids)
+    assert not mask_after(compiler, spec, [])[stops].any()
+    a, b, c = (tokenizer.token_to_id(x) for x in "abc")
+    after_ab = mask_after(compiler, spec, [a, b])
+    assert after_ab[stops].all() and after_ab[c]  # accepting, and may go on
+    after_abc = mask_after(compiler, spec, [a, b, c])
+    assert np.flatnonzero(after_abc).tolist() == stops  # finished: only a stop token
+    matcher = compiler.matcher(compiler.compile(spec))
+    assert not matcher.consume(stops[0]) and matcher.error  # EOS before the grammar accepts: refused
+    for stop in stops:
+        matcher = compiler.matcher(compiler.compile(spec))
+        assert matcher.consume_tokens([a, b, c]) and matcher.is_finished() and matcher.is_accepting()
+        assert matcher.consume(stop) and matcher.is_finished()
+
+
+def test_choice_among_non_ascii_strings(compiler, tokenizer):
+    spec = ConstraintSpec.choice(["café", "日本", "yes"])
+    for option in ("café", "日本", "yes"):
+        assert accepts(compiler, tokenizer, spec, option)
+        assert run(compiler, spec, byte_ids(tokenizer, option))[1]  # every byte its own token
+    # "é" split across tokens: "caf" then the two UTF-8 bytes as byte-fallback tokens
+    assert run(compiler, spec, [*tokenizer.encode("caf"), *byte_ids(tokenizer, "é")])[1]
+    assert run(compiler, spec, tokenizer.encode("caf")) == (True, False)
+    for wrong in ("cafe", "日", "日本語", "Yes", " yes", ""):
+        assert not accepts(compiler, tokenizer, spec, wrong), wrong
+
+
+def test_regex(compiler, tokenizer):
+    spec = ConstraintSpec.regex(r"\d{3}-[a-z]+")
+    assert accepts(compiler, tokenizer, spec, "123-abc")
+    for wrong in ("12-abc", "123-", "123-ABC", "1234-abc", "123-abc "):
+        assert not accepts(compiler, tokenizer, spec, wrong), wrong
+
+
+def test_json_escapes_and_non_ascii_round_trip(compiler, tokenizer):
+    spec = ConstraintSpec.json_schema(
+        {"type": "object", "properties": {"s": {"type": "string"}, "t": {"type": "array"}}, "required": ["s"]}
+    )
+    value = {"s": 'quote" back\\slash\nnew\ttab \u0001 café 日本 🦜 \u2028', "t": ["ß", {"ключ": "значение"}]}
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    assert accepts(compiler, tokenizer, spec, text)
+    assert run(compiler, spec, byte_ids(tokenizer, text))[1]  # multi-byte characters split byte by byte
+    # a tokenization mixing byte-fallback bytes for the emoji with ordinary tokens around it
+    head, tail = text.split("🦜")
+    assert run(compiler, spec, [*tokenizer.encode(head), *byte_ids(tokenizer, "🦜"), *tokenizer.encode(tail)])[1]
+    assert json.loads(tokenizer.decode(tokenizer.encode(text))) == value
+    assert "\\u0001" in text  # control characters are escaped; printable ones have one spelling: raw
+    assert not accepts(compiler, tokenizer, spec, json.dumps(value, separators=(",", ":")))  # \u00e9 etc.
+    for bad in ('{"s":"a\nb"}', '{"s":"\\x41"}', '{"s":"\\ud83e"}x'):  # raw control char, bad escape, trailing
+        assert not accepts(compiler, tokenizer, spec, bad), bad
+
+
+def test_whitespace_is_bounded(compiler, tokenizer):
+    """Compact JSON only: no whitespace token is allowed between JSON tokens, so no whitespace loops."""
+    whitespace = [i for i in range(tokenizer.vocab_size) if (b := tokenizer.token_bytes(i)) and not b.strip()]
+    assert len(whitespace) > 20
+    for spec in (ConstraintSpec.json_object(), ConstraintSpec.json_schema(POINT)):
+        for prefix in ("{", '{"x":', '{"x":1,'):
+            if prefix == '{"x":1,' and spec.kind == "json_object":
+                continue
+            allowed = mask_after(compiler, spec, tokenizer.encode(prefix))
+            assert not allowed[whitespace].any(), (spec.kind, prefix)
+    assert not accepts(compiler, tokenizer, ConstraintSpec.json_schema(POINT), '{"x": 1,"label":"a"}')
+    assert not accepts(compiler, tokenizer, ConstraintSpec.json_object(), '{"a":1} ')
+    assert not accepts(compiler, tokenizer, ConstraintSpec.json_object(), ' {"a":1}')
+
+
+def test_schema_constraints_are_enforced(compiler, tokenizer):
+    spec = ConstraintSpec.json_schema(POINT)
+    assert accepts(compiler, tokenizer, spec, '{"x":9,"label":"ok"}')
+    bad_points = ('{"x":10,"label":"no"}', '{"x":-1,"label":"no"}', '{"label":"no","x":1}', '{"x":1.5,"label":""}')
+    for bad in (*bad_points, '{"x":1}'):
+        assert not accepts(compiler, tokenizer, spec, bad), bad
+    pet = ConstraintSpec.json_schema(Pet)
+    assert accepts(compiler, tokenizer, pet, '{"name":"Rex","age":3,"tags":["good"]}')
+    assert accepts(compiler, tokenizer, pet, '{"name":"Rex","age":3}')
+    assert not accepts(compiler, tokenizer, pet, '{"name":"Rex","age":"3"}')
+
+
+# --------------------------------------------------------------------------------------------------
+# refusals
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "feature"),
+    [
+        (lambda: ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+        (lambda: ConstraintSpec.json_schema({"type": "string", "format": "color"}), "format: color"),
+        (lambda: ConstraintSpec.json_schema({"not": {"type": "string"}}), "not"),
+        (lambda: ConstraintSpec.json_schema({"$ref": "https://example.com/s.json"}), "remote $ref"),
+        (lambda: ConstraintSpec.json_schema({"oneOf": [{"type": "integer"}, {"type": "number"}]}), "oneOf"),
+        (lambda: ConstraintSpec.json_schema(False), "unsatisfiable schema"),
+        # duplicate additional keys would satisfy minProperties textually but not once parsed
+        (lambda: ConstraintSpec.json_schema({"type": "object", "minProperties": 2}), "minProperties"),
+        (lambda: ConstraintSpec.regex("(a"), "regex"),
+        (lambda: ConstraintSpec.regex(r"(?=a)a"), "regex"),
+        (lambda: ConstraintSpec.tools([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}], "required"),
+         "uniqueItems"),
+    ],
+)  # fmt: skip
+def test_unsupported_features_are_refused_by_name(compiler, spec, feature):
+    with pytest.raises(UnsupportedConstraintError) as info:
+        compiler.compile(spec())
+    assert info.value.feature.startswith(feature) and feature in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_tool_errors_name_the_function(compiler):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(UnsupportedConstraintError, match="parameters of 'f'"):
+        compiler.compile(ConstraintSpec.tools([ADD, bad], "auto"))
+
+
+def test_oversize_constraint_is_refused(tokenizer, compiler):
+    small = GrammarCompiler(tokenizer, max_schema_bytes=1000)
+    try:
+        big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100)}}
+        with pytest.raises(UnsupportedConstraintError) as info:
+            small.compile(ConstraintSpec.json_schema(big))
+        assert info.value.feature == "schema size"
+        with pytest.raises(UnsupportedConstraintError, match="schema size"):
+            small.compile(ConstraintSpec.choice([f"option {i}" for i in range(200)]))
+    finally:
+        small.close()
+
+
+def test_slow_compile_is_refused_and_the_refusal_cached(tokenizer, compiler):
+    slow = GrammarCompiler(tokenizer, compile_timeout_s=0.2)
+    release = threading.Event()
+    real = slow._backend.compile
+    slow._backend.compile = lambda spec: (release.wait(5), real(spec))[1]  # type: ignore[method-assign]
+    try:
+        spec = ConstraintSpec.regex("slow")
+        start = time.perf_counter()
+        with pytest.raises(UnsupportedConstraintError) as info:
+            slow.compile(spec)
+        assert info.value.feature == "grammar too complex" and time.perf_counter() - start < 3
+        with pytest.raises(UnsupportedConstraintError):
+            slow.compile(spec)  # answered from the cache: no second compile is started
+        assert slow.cache_info()["misses"] == 1
+    finally:
+        release.set()
+        slow.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# cache and async
+# --------------------------------------------------------------------------------------------------
+
+
+def test_compile_cache_hit(compiler):
+    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}
+    first = compiler.compile(ConstraintSpec.json_schema(schema))
+    before = compiler.cache_info()
+    start = time.perf_counter()
+    again = compiler.compile(ConstraintSpec.json_schema(json.loads(json.dumps(schema)), strict=False))
+    assert again is first and time.perf_counter() - start < 0.005
+    assert compiler.cache_info()["hits"] == before["hits"] + 1
+    # key order is part of the schema (it fixes generation order): a reordered schema is another entry
+    reordered = {"required": ["k"], "properties": {"k": {"type": "boolean"}}, "type": "object"}
+    assert compiler.compile(ConstraintSpec.json_schema(reordered)) is not first
+    assert ConstraintSpec.json_schema(schema) == ConstraintSpec.json_schema(schema, strict=False)
+
+
+def test_compile_async(compiler, tokenizer):
+    specs = [ConstraintSpec.regex(f"async-{i}[0-9]+") for i in range(6)]
+    futures = [compiler.compile_async(s) for s in specs]
+    assert compiler.compile_async(specs[0]) is futures[0]  # in flight or done: shared
+    for spec, future in zip(specs, futures, strict=True):
+        compiled = future.result(timeout=30)
+        assert compiled.spec == spec
+    assert accepts(compiler, tokenizer, specs[3], "async-342")
+    bad = compiler.compile_async(ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}))
+    assert isinstance(bad.exception(timeout=30), UnsupportedConstraintError)
+
+
+# --------------------------------------------------------------------------------------------------
+# tool calls
+# --------------------------------------------------------------------------------------------------
+
+
+def call_text(name: str, arguments: dict) -> str:
+    return json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"), ensure_ascii=False)
+
+
+def test_tool_choice_none_and_bad_names():
+    assert ConstraintSpec.tools([WEATHER], "none") is None
+    assert ConstraintSpec.tools([], "auto") is None
+    with pytest.raises(UnsupportedConstraintError, match="unknown function 'nope'"):
+        ConstraintSpec.tools([WEATHER], {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(UnsupportedConstraintError, match="required"):
+        ConstraintSpec.tools([], "required")
+    with pytest.raises(UnsupportedConstraintError, match="declared twice"):
+        ConstraintSpec.tools([ADD, ADD])
+
+
+def test_tool_choice_required(compiler, tokenizer):
+    spec = ConstraintSpec.tools([WEATHER, ADD], "required")
+    call = call_text("get_weather", {"city": "Zürich", "unit": "C"})
+    assert accepts(compiler, tokenizer, spec, call)
+    assert accepts(compiler, tokenizer, spec, call_text("add", {"a": 1, "b": -2}))
+    assert run(compiler, spec, tokenizer.encode("Sure, the weather is"))[0] is False  # text: refused
+    assert not accepts(compiler, tokenizer, spec, TOOL_CALL_MARKER + call)  # no marker when required
+    assert not accepts(compiler, tokenizer, spec, call_text("add", {"a": 1}))  # missing argument
+    assert not accepts(compiler, tokenizer, spec, call_text("sub", {"a": 1, "b": 2}))  # undeclared
+    assert not accepts(compiler, tokenizer, spec, call + call)  # one call only
+    [parsed] = parse_tool_calls(call, spec)
+    assert parsed["type"] == "function" and parsed["id"].startswith("call_")
+    assert parsed["function"]["name"] == "get_weather"
+    assert json.loads(parsed["function"]["arguments"]) == {"city": "Zürich", "unit": "C"}
+
+
+def test_tool_choice_named(compiler, tokenizer):
+    spec = ConstraintSpec.tools([WEATHER, ADD], {"type": "function", "function": {"name": "add"}})
+    assert accepts(compiler, tokenizer, spec, call_text("add", {"a": 1, "b": 2}))
+    assert not accepts(compiler, tokenizer, spec, call_text("get_weather", {"city": "Paris"}))
+    # the name is forced: the grammar hands over the whole prefix without sampling
+    matcher = compiler.matcher(compiler.compile(spec))
+    forced = matcher.forced_tokens()
+    assert tokenizer.decode(forced).startswith('{"name":"add","arguments":{')
+    assert matcher.consume_tokens(forced)
+    assert parse_tool_calls(call_text("add", {"a": 1, "b": 2}), spec)[0]["function"]["name"] == "add"
+
+
+def test_tool_choice_auto(compiler, tokenizer):
+    spec = ConstraintSpec.tools([WEATHER, ADD], "auto")
+    text = "The weather in Paris is sunny, 21 °C. 日本 too."
+    call = TOOL_CALL_MARKER + call_text("get_weather", {"city": "Paris"})
+    assert accepts(compiler, tokenizer, spec, text)
+    assert accepts(compiler, tokenizer, spec, "")
+    assert accepts(compiler, tokenizer, spec, call)
+    assert accepts(compiler, tokenizer, spec, "<tool")  # a prefix of the marker is still text
+    assert not accepts(compiler, tokenizer, spec, TOOL_CALL_MARKER + "I think")  # marker commits to a call
+    assert not accepts(compiler, tokenizer, spec, call + " and more")  # the call ends the output
+    assert parse_tool_calls(text, spec) is None
+    assert parse_tool_calls(call, spec)[0]["function"]["name"] == "get_weather"
+    with pytest.raises(ValueError):
+        parse_tool_calls(TOOL_CALL_MARKER + '{"name":"get_weather","argu', spec)  # cut short
+    # free text never allows control tokens other than the stop tokens
+    allowed = mask_after(compiler, spec, tokenizer.encode("Hello"))
+    assert allowed[sorted(tokenizer.stop_ids)].all()
+    assert not allowed[sorted(tokenizer.special_ids - tokenizer.stop_ids)].any()
+
+
+# --------------------------------------------------------------------------------------------------
+# batched masks
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fill_masks_fills_only_listed_rows(compiler, tokenizer):
+    specs = [
+        ConstraintSpec.json_schema(POINT),
+        ConstraintSpec.json_object(),
+        ConstraintSpec.regex(r"[0-9]+"),
+        ConstraintSpec.choice(["café", "日本"]),
+        ConstraintSpec.tools([WEATHER, ADD], "auto"),
+        ConstraintSpec.tools([WEATHER, ADD], "required"),
+        ConstraintSpec.json_schema(Pet),
+        ConstraintSpec.regex(r"[a-z]{2,5}"),
+    ]
+    matchers = [compiler.matcher(compiler.compile(s)) for s in specs]
+    words = (compiler.vocab_size + 31) // 32
+    for dtype in (np.uint32, np.int32):
+        mask = np.full((10, words), 7, dtype)
+        rows = [(m, i + 1) for i, m in enumerate(matchers)]  # rows 1..8; 0 and 9 are other slots
+        fill_masks(rows, mask)
+        assert (mask[0] == 7).all() and (mask[9] == 7).all()
+        for matcher, row in rows:
+            single = np.zeros((1, words), np.uint32)
+            fill_masks([(matcher, 0)], single)
+            assert (mask[row].view(np.uint32) == single[0]).all()
+    times = []
+    mask = np.zeros((8, words), np.uint32)
+    for _ in range(20):
+        start = time.perf_counter()
+        fill_masks([(m, i) for i, m in enumerate(matchers)], mask)
+        times.append(time.perf_counter() - start)
+    print(f"\nfill_masks, 8 rows: median {np.median(times) * 1e3:.2f} ms")
+    with pytest.raises(ValueError):
+        fill_masks([(matchers[0], 0)], np.zeros((1, words + 1), np.uint32))
+
+
+# --------------------------------------------------------------------------------------------------
+# outlines-core
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schema", "feature"),
+    [
+        ({"type": "integer", "minimum": 0}, "minimum"),
+        ({"type": "number", "exclusiveMaximum": 1}, "exclusiveMaximum"),
+        ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf"),
+        ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "oneOf"),
+        ({"type": "string", "format": "email"}, "format: email"),
+        ({"type": "string", "format": "date-time"}, "format: date-time"),
+        ({"type": "string", "pattern": "^a+$"}, "pattern"),
+        ({"type": "object", "required": ["x"]}, "required"),
+        ({"$ref": "#/$defs/s", "maxLength": 2, "$defs": {"s": {"type": "string"}}}, "$ref with sibling keywords"),
+        ({"type": "string", "enum": ["a", 1]}, "enum with type"),
+        ({"enum": [{"a.b": 1}]}, "enum of objects or arrays"),
+    ],
+)
+def test_outlines_core_refuses_what_it_cannot_enforce(schema, feature):
+    from scheduler.grammar_outlines import outlines_regex
+
+    with pytest.raises(UnsupportedConstraintError) as info:
+        outlines_regex(ConstraintSpec.json_schema(schema))
+    assert info.value.feature == feature
+
+
+@pytest.mark.slow
+def test_outlines_core_backend_agrees_with_llguidance(tokenizer, compiler):
+    outlines = GrammarCompiler(tokenizer, backend="outlines-core", compile_timeout_s=300)
+    try:
+        cases = {
+            ConstraintSpec.json_schema(
+                {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+                 "required": ["a"], "additionalProperties": False}
+            ): ['{"a":12}', '{"a":-3,"b":true}', '{"a":1.5}', '{"b":true}', '{"a": 1}', '{"a":1,"c":2}', '{"a":1'],
+            ConstraintSpec.choice(["café", "日本"]): ["café", "日本", "cafe", "日", ""],
+            ConstraintSpec.regex("[a-c]{2}x"): ["abx", "ccx", "ab", "abxx", "adx"],
+        }  # fmt: skip
+        for spec, texts in cases.items():
+            start = time.perf_counter()
+            outlines.compile(spec)
+            print(f"\noutlines-core Index for {spec.kind}: {time.perf_counter() - start:.1f} s")
+            for text in texts:
+                ids = tokenizer.encode(text)
+                assert run(outlines, spec, ids) == run(compiler, spec, ids), (spec.value, text)
+            # byte-fallback spellings of non-ASCII text work too
+            if spec.kind == "choice":
+                assert run(outlines, spec, byte_ids(tokenizer, "café"))[1]
+        # same allowed set where both are mid-grammar (outlines-core drops moves out of accepting states)
+        spec = next(iter(cases))
+        prefix = tokenizer.encode('{"a":')
+        assert (mask_after(outlines, spec, prefix) == mask_after(compiler, spec, prefix)).all()
+        with pytest.raises(UnsupportedConstraintError, match="minimum"):
+            outlines.compile(ConstraintSpec.json_schema({"type": "integer", "minimum": 1}))
+    finally:
+        outlines.close()
