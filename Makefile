@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: help install install-test serve generate test test-fast lint bench clean
+.PHONY: help install install-test serve generate test test-fast lint bench clean redis-server
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -27,11 +27,14 @@ install-test: $(VENV)/.installed-test  ## install slotserve with the test extra
 serve: install  ## install, then run the default model (generation CLI until the server lands)
 	$(VENV)/bin/slotserve generate --model default --prompt "$(PROMPT)" --max-tokens 32 --temperature 0
 
-test: install-test  ## install, then run lint and the whole test suite (slow tests included)
+redis-server:  # the Redis integration tests start their own real redis-server on a free port
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
+test: install-test redis-server  ## install, then run lint and the whole test suite (slow tests included)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-test-fast: install-test  ## the suite without slow (torch / real-model) tests
+test-fast: install-test redis-server  ## the suite without slow (torch / real-model) tests
 	$(PY) -m pytest -q -m "not slow"
 
 lint: install-test  ## ruff

@@ -1,0 +1,100 @@
+"""Conversation -> prompt token ids: `ChatTemplate` picks the checkpoint's Jinja template when it has one
+(`agents.jinja_template`), else the built-in Gemma turn template (`agents.gemma_template`).
+
+Both paths keep user text out of control tokens, and both report ``system_end``: the number of leading
+ids fixed by the agent's system prompt (and tools), which every session of the agent shares exactly, so
+the scheduler can treat it as a prefix-cache hint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from agents.gemma_template import render_gemma
+from agents.jinja_template import SandboxedChatTemplate, checkpoint_template
+from agents.messages import TemplateError
+from core.tokenizer import Tokenizer
+
+__all__ = ["ChatTemplate", "PromptTooLongError", "RenderedPrompt", "TemplateError"]
+
+_PREVIEW_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """Prompt ids for the model; ``ids[:system_end]`` depends only on the agent's system prompt/tools.
+
+    ``text_preview`` is the decoded prompt, control tokens included, with the middle of a long prompt
+    left out (for logs and debugging; never fed back to the tokenizer)."""
+
+    ids: list[int]
+    system_end: int
+    text_preview: str
+
+
+class PromptTooLongError(ValueError):
+    """The prompt exceeds the agent's context_limit (the server answers 400)."""
+
+    def __init__(self, n_tokens: int, limit: int) -> None:
+        self.n_tokens = n_tokens
+        self.limit = limit
+        super().__init__(f"the prompt has {n_tokens} tokens; this agent accepts at most {limit}")
+
+
+class ChatTemplate:
+    """Renders conversations for one tokenizer.
+
+    ``template``: a Jinja source to use; None takes the tokenizer config's ``chat_template``, and the
+    built-in Gemma template when there is none (e.g. the base Gemma 3 270M).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        source = template if template is not None else checkpoint_template(tokenizer.config)
+        self._jinja = SandboxedChatTemplate(source) if source else None
+
+    @property
+    def kind(self) -> Literal["jinja", "builtin"]:
+        return "jinja" if self._jinja is not None else "builtin"
+
+    def render(
+        self,
+        system_prompt: str,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        max_prompt_tokens: int | None = None,
+    ) -> RenderedPrompt:
+        """The prompt for ``system_prompt`` + ``messages`` (OpenAI-style), ending with the model's turn
+        opener when ``add_generation_prompt``. ``tools`` are described to the model in the system part.
+        Raises `TemplateError` / `MessageError` (both ValueError) for unrenderable input and
+        `PromptTooLongError` past ``max_prompt_tokens`` (the agent's context_limit)."""
+        if self._jinja is not None:
+            ids, system_end = self._jinja.render(
+                self.tokenizer, system_prompt, messages, tools=tools, add_generation_prompt=add_generation_prompt
+            )
+        else:
+            ids, system_end = render_gemma(
+                self.tokenizer, system_prompt, messages, tools=tools, add_generation_prompt=add_generation_prompt
+            )
+        return self._finish(ids, system_end, max_prompt_tokens)
+
+    def render_completion(self, prompt: str, *, max_prompt_tokens: int | None = None) -> RenderedPrompt:
+        """The plain completions API: BOS (when the vocabulary has one) + the text, parsing off."""
+        bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+        return self._finish(bos + self.tokenizer.encode(prompt, parse_special=False), 0, max_prompt_tokens)
+
+    def _finish(self, ids: list[int], system_end: int, max_prompt_tokens: int | None) -> RenderedPrompt:
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise PromptTooLongError(len(ids), max_prompt_tokens)
+        return RenderedPrompt(ids, system_end, self._preview(ids))
+
+    def _preview(self, ids: list[int]) -> str:
+        # Decode only the ends of a long prompt: the preview is for logs, and this runs per request.
+        if len(ids) <= 2 * _PREVIEW_TOKENS:
+            return self.tokenizer.decode(ids)
+        head = self.tokenizer.decode(ids[:_PREVIEW_TOKENS])
+        tail = self.tokenizer.decode(ids[-_PREVIEW_TOKENS:])
+        return f"{head} ... [{len(ids) - 2 * _PREVIEW_TOKENS} tokens] ... {tail}"

@@ -1,0 +1,137 @@
+"""The built-in Gemma turn template, for checkpoints without a chat template (e.g. the base 270M model).
+
+Layout (what Gemma's own template produces)::
+
+    <bos><start_of_turn>user\\n{system}\\n\\n{first user message}<end_of_turn>\\n
+    <start_of_turn>model\\n{assistant}<end_of_turn>\\n ... <start_of_turn>model\\n
+
+Control tokens are inserted as ids; every piece of text (system prompt, contents, role names) is
+tokenized on its own with special-token parsing off, so no text can become a control token and every
+piece starts on a token boundary. Gemma has no system or tool roles: the system text opens the first
+user turn, tool results are user turns with a "Result of <function>:" prefix, and consecutive turns of
+the same side are merged so user and model strictly alternate.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agents.messages import TemplateError, message_text, normalize_messages
+from core.tokenizer import Tokenizer
+from scheduler.grammar_spec import TOOL_CALL_MARKER
+
+__all__ = ["render_gemma", "tools_instructions"]
+
+_SEPARATOR = "\n\n"
+
+
+def tools_instructions(tools: list[dict[str, Any]]) -> str:
+    """How the model learns its functions and the scheduler's call format (`TOOL_CALL_MARKER` + JSON)."""
+    lines = ["You can call these functions:"]
+    for tool in tools:
+        fn = tool.get("function", tool)
+        entry = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+        lines.append(json.dumps(entry, ensure_ascii=False, separators=(",", ":")))
+    lines.append(
+        f'To call one, reply with {TOOL_CALL_MARKER}{{"name":<function name>,"arguments":<arguments object>}} '
+        "and nothing else."
+    )
+    return "\n".join(lines)
+
+
+class _Builder:
+    """Accumulates ids; text is always tokenized piece by piece with special parsing off."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.ids: list[int] = []
+
+    def control(self, token: str) -> None:
+        token_id = self.tok.token_to_id(token)
+        if token_id is None or token_id not in self.tok.special_ids:
+            raise TemplateError(f"the tokenizer has no {token} control token (the built-in template is Gemma's)")
+        self.ids.append(token_id)
+
+    def text(self, text: str) -> None:
+        if text:
+            self.ids.extend(self.tok.encode(text, parse_special=False))
+
+
+def _turns(messages: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(side, texts) per turn, side "user" or "model"; consecutive texts of one side share a turn."""
+    function_of: dict[str, str] = {}  # tool_call_id -> function name, to label results
+    turns: list[tuple[str, list[str]]] = []
+    for m in messages:
+        role = m["role"]
+        if role == "assistant":
+            for call in m.get("tool_calls", ()):
+                if "id" in call:
+                    function_of[call["id"]] = call["function"]["name"]
+            side, text = "model", message_text(m).strip()
+        elif role == "tool":
+            label = m.get("name") or function_of.get(m["tool_call_id"]) or m["tool_call_id"]
+            side, text = "user", f"Result of {label}:\n{m['content'].strip()}"
+        elif role in ("system", "developer"):  # a mid-conversation instruction
+            side, text = "user", f"System: {m['content'].strip()}"
+        else:
+            side, text = "user", m["content"].strip()
+        if turns and turns[-1][0] == side:
+            turns[-1][1].append(text)
+        else:
+            turns.append((side, [text]))
+    return turns
+
+
+def render_gemma(
+    tok: Tokenizer,
+    system_prompt: str,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> tuple[list[int], int]:
+    """(prompt ids, system_end): system_end counts the leading ids fixed by ``system_prompt`` and
+    ``tools`` alone, so all sessions of one agent share exactly that prefix."""
+    messages = normalize_messages(messages)
+    # Leading system messages from the client extend the system text, after the agent's own.
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    agent_system = [t for t in (system_prompt.strip(), tools_instructions(tools) if tools else "") if t]
+    client_system = [t for m in messages[:lead] if (t := m["content"].strip())]
+    turns = _turns(messages[lead:])
+
+    b = _Builder(tok)
+    if tok.bos_id is None:
+        raise TemplateError("the tokenizer has no BOS token")
+    b.ids.append(tok.bos_id)
+    b.control("<start_of_turn>")
+    b.text("user\n")
+    system_end = len(b.ids)
+    opens_with_user = bool(turns) and turns[0][0] == "user"
+    system_pieces = agent_system + client_system
+    for i, piece in enumerate(system_pieces):
+        b.text(piece)
+        if i + 1 < len(system_pieces) or opens_with_user:
+            b.text(_SEPARATOR)
+        if i + 1 == len(agent_system):
+            system_end = len(b.ids)
+    if not opens_with_user:  # the opening user turn holds only the system text (if any)
+        b.control("<end_of_turn>")
+        b.text("\n")
+
+    for n, (side, texts) in enumerate(turns):
+        if n > 0 or not opens_with_user:  # the first user turn was opened above
+            b.control("<start_of_turn>")
+            b.text(f"{side}\n")
+        for j, text in enumerate(texts):
+            if j:
+                b.text(_SEPARATOR)
+            b.text(text)
+        b.control("<end_of_turn>")
+        b.text("\n")
+    if add_generation_prompt:
+        b.control("<start_of_turn>")
+        b.text("model\n")
+    return b.ids, system_end

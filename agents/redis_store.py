@@ -1,0 +1,229 @@
+"""`RedisStore`: the `Store` contract on Redis (redis.asyncio), for several servers sharing one Redis.
+
+Layout (``prefix`` defaults to "slotserve:"; the ``{agent}`` hash tag keeps one agent's keys in one
+cluster slot, so its scripts stay single-slot):
+
+* ``<prefix>agents``: hash, agent name -> AgentSpec JSON.
+* ``<prefix>{<agent>}:s:<sid>:msgs``: list of message JSON strings (RPUSH appends).
+* ``<prefix>{<agent>}:s:<sid>:meta``: hash with ``created``, ``updated``, ``expires`` (ms, server clock).
+* ``<prefix>{<agent>}:index``: sorted set, sid -> expiry in ms (``+inf`` when none), for listing and
+  counting live sessions against the limit.
+
+Every session write is one Lua script, so it is atomic: two servers appending to one session never lose
+a turn, and the limit check cannot race a concurrent create. Times come from Redis' own clock
+(``TIME``), so app servers with skewed clocks agree on expiry.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis.asyncio as redis
+
+from agents.spec import AgentSpec
+from agents.store import (
+    PutMode,
+    Session,
+    SessionInfo,
+    SessionLimitError,
+    Store,
+    check_session_key,
+    encode_messages,
+    load_agent,
+)
+
+__all__ = ["RedisStore"]
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: msgs, meta, index. ARGV: sid, ttl_ms (0 = none), limit (0 = none), message JSON...
+_APPEND = (
+    _NOW_MS
+    + """
+local ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('DEL', KEYS[1])
+  local count = redis.call('ZCARD', KEYS[3])
+  if redis.call('ZSCORE', KEYS[3], ARGV[1]) then count = count - 1 end
+  if limit > 0 and count >= limit then return {'LIMIT'} end
+  redis.call('HSET', KEYS[2], 'created', now)
+end
+redis.call('HSET', KEYS[2], 'updated', now)
+for i = 4, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+local score = '+inf'
+if ttl > 0 then
+  score = now + ttl
+  redis.call('HSET', KEYS[2], 'expires', score)
+  redis.call('PEXPIREAT', KEYS[1], score)
+  redis.call('PEXPIREAT', KEYS[2], score)
+else
+  redis.call('HDEL', KEYS[2], 'expires')
+  redis.call('PERSIST', KEYS[1])
+  redis.call('PERSIST', KEYS[2])
+end
+redis.call('ZADD', KEYS[3], score, ARGV[1])
+local meta = redis.call('HMGET', KEYS[2], 'created', 'updated', 'expires')
+return {'OK', meta[1], meta[2], meta[3], redis.call('LRANGE', KEYS[1], 0, -1)}
+"""
+)
+
+# KEYS: agents hash. ARGV: name, spec JSON. Replaces only an existing agent.
+_UPDATE_AGENT = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS: msgs, meta, index. ARGV: sid. Returns 1 when a live session was removed.
+_DELETE_SESSION = """
+local existed = redis.call('EXISTS', KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return existed
+"""
+
+# KEYS: index. ARGV: key prefix of this agent's sessions. Deletes every session of one agent.
+_PURGE_AGENT = """
+local sids = redis.call('ZRANGE', KEYS[1], 0, -1)
+for _, sid in ipairs(sids) do
+  redis.call('DEL', ARGV[1] .. sid .. ':msgs', ARGV[1] .. sid .. ':meta')
+end
+redis.call('DEL', KEYS[1])
+return #sids
+"""
+
+
+def _seconds(ms: Any) -> float | None:
+    return None if ms is None else int(ms) / 1000.0
+
+
+def _session(agent: str, sid: str, created: Any, updated: Any, expires: Any, raw: list[str]) -> Session:
+    return Session(agent, sid, [json.loads(m) for m in raw], int(created) / 1000.0, int(updated) / 1000.0,
+                   _seconds(expires))
+
+
+class RedisStore(Store):
+    """`Store` on Redis. ``url`` as for ``redis.asyncio.from_url`` (e.g. "redis://127.0.0.1:6379/0")."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "slotserve:",
+        session_ttl: float | None = None,
+        max_sessions_per_agent: int | None = None,
+    ) -> None:
+        super().__init__(session_ttl=session_ttl, max_sessions_per_agent=max_sessions_per_agent)
+        self._redis = redis.from_url(url, decode_responses=True)
+        self._prefix = prefix
+        self._append = self._redis.register_script(_APPEND)
+        self._update_agent = self._redis.register_script(_UPDATE_AGENT)
+        self._delete_session = self._redis.register_script(_DELETE_SESSION)
+        self._purge_agent = self._redis.register_script(_PURGE_AGENT)
+
+    # ---- keys -----------------------------------------------------------------------------------
+
+    @property
+    def _agents_key(self) -> str:
+        return f"{self._prefix}agents"
+
+    def _session_prefix(self, agent: str) -> str:
+        return f"{self._prefix}{{{agent}}}:s:"
+
+    def _index_key(self, agent: str) -> str:
+        return f"{self._prefix}{{{agent}}}:index"
+
+    def _session_keys(self, agent: str, sid: str) -> list[str]:
+        base = self._session_prefix(agent) + sid
+        return [f"{base}:msgs", f"{base}:meta", self._index_key(agent)]
+
+    # ---- agents ---------------------------------------------------------------------------------
+
+    async def put_agent(self, spec: AgentSpec, mode: PutMode = "upsert") -> bool:
+        data = spec.to_json()
+        if mode == "create":
+            return bool(await self._redis.hsetnx(self._agents_key, spec.name, data))
+        if mode == "update":
+            return bool(await self._update_agent(keys=[self._agents_key], args=[spec.name, data]))
+        await self._redis.hset(self._agents_key, spec.name, data)
+        return True
+
+    async def get_agent(self, name: str) -> AgentSpec | None:
+        raw = await self._redis.hget(self._agents_key, name)
+        return None if raw is None else load_agent(raw)
+
+    async def delete_agent(self, name: str) -> bool:
+        removed = await self._redis.hdel(self._agents_key, name)
+        if AgentSpec.is_valid_name(name):
+            await self._purge_agent(keys=[self._index_key(name)], args=[self._session_prefix(name)])
+        return bool(removed)
+
+    async def list_agents(self) -> list[AgentSpec]:
+        raws = await self._redis.hgetall(self._agents_key)
+        return [load_agent(raws[n]) for n in sorted(raws)]
+
+    # ---- sessions -------------------------------------------------------------------------------
+
+    async def get_session(self, agent: str, sid: str) -> Session | None:
+        check_session_key(agent, sid)
+        msgs_key, meta_key, _ = self._session_keys(agent, sid)
+        async with self._redis.pipeline(transaction=True) as pipe:  # one consistent snapshot
+            pipe.hmget(meta_key, "created", "updated", "expires")
+            pipe.lrange(msgs_key, 0, -1)
+            (created, updated, expires), raw = await pipe.execute()
+        if created is None:
+            return None
+        return _session(agent, sid, created, updated, expires, raw)
+
+    async def append_turn(
+        self,
+        agent: str,
+        sid: str,
+        new_messages: list[dict[str, Any]],
+        *,
+        ttl: float | None = None,
+        max_sessions: int | None = None,
+    ) -> Session:
+        check_session_key(agent, sid)
+        encoded = encode_messages(new_messages)
+        ttl, limit = self._ttl(ttl), self._limit(max_sessions)
+        ttl_ms = max(1, round(ttl * 1000)) if ttl else 0
+        reply = await self._append(keys=self._session_keys(agent, sid), args=[sid, ttl_ms, limit or 0, *encoded])
+        if reply[0] == "LIMIT":
+            raise SessionLimitError(agent, limit or 0)
+        _, created, updated, expires, raw = reply
+        return _session(agent, sid, created, updated, expires, raw)
+
+    async def delete_session(self, agent: str, sid: str) -> bool:
+        check_session_key(agent, sid)
+        return bool(await self._delete_session(keys=self._session_keys(agent, sid), args=[sid]))
+
+    async def list_sessions(self, agent: str) -> list[SessionInfo]:
+        if not AgentSpec.is_valid_name(agent):
+            raise ValueError(f"invalid agent name {agent!r}")
+        index = self._index_key(agent)
+        now_s, now_us = await self._redis.time()
+        await self._redis.zremrangebyscore(index, "-inf", now_s * 1000 + now_us // 1000)
+        sids = await self._redis.zrange(index, 0, -1)
+        if not sids:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for sid in sids:
+                msgs_key, meta_key, _ = self._session_keys(agent, sid)
+                pipe.hmget(meta_key, "created", "updated", "expires")
+                pipe.llen(msgs_key)
+            replies = await pipe.execute()
+        infos = []
+        for i, sid in enumerate(sids):
+            (created, updated, expires), count = replies[2 * i], replies[2 * i + 1]
+            if created is not None:  # expired or deleted between the two reads
+                infos.append(SessionInfo(agent, sid, _seconds(created), _seconds(updated), _seconds(expires), count))
+        return sorted(infos, key=lambda i: (-i.updated, i.id))
+
+    async def close(self) -> None:
+        await self._redis.aclose()

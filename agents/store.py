@@ -1,0 +1,327 @@
+"""Persistence for admin-created agents and per-agent sessions: the `Store` interface and `MemoryStore`.
+
+`RedisStore` (``agents.redis_store``, importable from here too) implements the same contract for
+several servers sharing one Redis. Everything stored is JSON; nothing is pickled.
+
+Sessions are namespaced by agent: (agent, session id) is the key, so agent A can never read agent B's
+session even when both use the same id. A session holds the committed conversation as normalised
+OpenAI-style messages (`agents.messages`), plus created/updated timestamps and an optional expiry.
+
+TTL and the per-agent session limit are store settings that one call may override:
+``ttl=None`` / ``max_sessions=None`` use the store's setting, ``0`` means no expiry / no limit.
+The TTL is refreshed by every write. The limit only refuses *creating* a session (`SessionLimitError`);
+appending to an existing one always works.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from agents.messages import normalize_messages
+from agents.spec import AgentSpec
+
+if TYPE_CHECKING:
+    from agents.redis_store import RedisStore
+
+__all__ = [
+    "SESSION_ID_PATTERN",
+    "InvalidSessionIdError",
+    "MemoryStore",
+    "PutMode",
+    "RedisStore",
+    "Session",
+    "SessionInfo",
+    "SessionLimitError",
+    "Store",
+    "StoreError",
+    "open_store",
+]
+
+# Ids end up inside Redis keys and URLs: a conservative charset keeps both unambiguous.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+
+PutMode = Literal["create", "update", "upsert"]
+
+
+class StoreError(RuntimeError):
+    """The store holds something unreadable (e.g. an agent JSON that no longer validates)."""
+
+
+class InvalidSessionIdError(ValueError):
+    """A session id outside `SESSION_ID_PATTERN` (the server answers 400)."""
+
+
+class SessionLimitError(RuntimeError):
+    """Creating one more session would exceed the agent's session limit (the server answers 429)."""
+
+    def __init__(self, agent: str, limit: int) -> None:
+        self.agent = agent
+        self.limit = limit
+        super().__init__(f"agent {agent!r} already has {limit} sessions (the limit); delete one or wait for expiry")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session's metadata; times are Unix seconds, ``expires_at`` None when it never expires."""
+
+    agent: str
+    id: str
+    created: float
+    updated: float
+    expires_at: float | None
+    message_count: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """A committed conversation. ``messages`` is the caller's own copy."""
+
+    agent: str
+    id: str
+    messages: list[dict[str, Any]] = field(repr=False)
+    created: float
+    updated: float
+    expires_at: float | None = None
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(self.agent, self.id, self.created, self.updated, self.expires_at, len(self.messages))
+
+
+def check_session_key(agent: str, sid: str) -> None:
+    if not AgentSpec.is_valid_name(agent):
+        raise ValueError(f"invalid agent name {agent!r}")
+    if not isinstance(sid, str) or not _SESSION_ID.fullmatch(sid):
+        raise InvalidSessionIdError(f"invalid session id {sid!r}: expected {SESSION_ID_PATTERN}")
+
+
+def load_agent(raw: str | bytes) -> AgentSpec:
+    """A stored agent, or `StoreError` naming why it no longer validates (e.g. after an upgrade)."""
+    try:
+        return AgentSpec.from_json(raw)
+    except ValueError as e:
+        raise StoreError(f"stored agent is invalid: {e}") from e
+
+
+def encode_messages(messages: list[dict[str, Any]]) -> list[str]:
+    """Validated, normalised messages as JSON strings (the unit both stores persist)."""
+    if not messages:
+        raise ValueError("a turn needs at least one message")
+    normalized = normalize_messages(messages)
+    try:
+        return [json.dumps(m, ensure_ascii=False, allow_nan=False) for m in normalized]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"messages must be JSON-serialisable: {e}") from None
+
+
+class Store(ABC):
+    """Async storage for agents (created through the admin API) and sessions."""
+
+    def __init__(self, *, session_ttl: float | None = None, max_sessions_per_agent: int | None = None) -> None:
+        if session_ttl is not None and session_ttl < 0:
+            raise ValueError("session_ttl must be >= 0")
+        if max_sessions_per_agent is not None and max_sessions_per_agent < 0:
+            raise ValueError("max_sessions_per_agent must be >= 0")
+        self.session_ttl = session_ttl or None
+        self.max_sessions_per_agent = max_sessions_per_agent or None
+
+    def _ttl(self, ttl: float | None) -> float | None:
+        value = self.session_ttl if ttl is None else ttl
+        if value is not None and value < 0:
+            raise ValueError("ttl must be >= 0")
+        return value or None
+
+    def _limit(self, max_sessions: int | None) -> int | None:
+        value = self.max_sessions_per_agent if max_sessions is None else max_sessions
+        return value or None
+
+    # ---- agents ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def put_agent(self, spec: AgentSpec, mode: PutMode = "upsert") -> bool:
+        """Store ``spec``. "create": only if the name is free; "update": only if it exists.
+        Returns False when the condition failed (atomic, also across servers)."""
+
+    @abstractmethod
+    async def get_agent(self, name: str) -> AgentSpec | None: ...
+
+    @abstractmethod
+    async def delete_agent(self, name: str) -> bool:
+        """Remove the agent and all its sessions (a later agent of that name must not inherit them)."""
+
+    @abstractmethod
+    async def list_agents(self) -> list[AgentSpec]:
+        """All stored agents, sorted by name."""
+
+    # ---- sessions -------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def get_session(self, agent: str, sid: str) -> Session | None: ...
+
+    @abstractmethod
+    async def append_turn(
+        self,
+        agent: str,
+        sid: str,
+        new_messages: list[dict[str, Any]],
+        *,
+        ttl: float | None = None,
+        max_sessions: int | None = None,
+    ) -> Session:
+        """Atomically append ``new_messages`` (creating the session if missing) and return the result."""
+
+    @abstractmethod
+    async def delete_session(self, agent: str, sid: str) -> bool: ...
+
+    @abstractmethod
+    async def list_sessions(self, agent: str) -> list[SessionInfo]:
+        """The agent's live sessions, most recently updated first."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release connections."""
+
+
+# --------------------------------------------------------------------------------------------------
+# MemoryStore
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _MemSession:
+    messages: list[str]  # JSON strings, so callers never share mutable state with the store
+    created: float
+    updated: float
+    expires_at: float | None
+
+    def live(self, now: float) -> bool:
+        return self.expires_at is None or self.expires_at > now
+
+
+class MemoryStore(Store):
+    """In-process store (the default). Lost on restart; not shared between processes."""
+
+    def __init__(self, *, session_ttl: float | None = None, max_sessions_per_agent: int | None = None) -> None:
+        super().__init__(session_ttl=session_ttl, max_sessions_per_agent=max_sessions_per_agent)
+        self._agents: dict[str, str] = {}
+        self._sessions: dict[str, dict[str, _MemSession]] = {}
+        # No awaits inside the operations, so they are atomic within one event loop; the lock covers
+        # callers on other threads.
+        self._lock = threading.Lock()
+
+    async def put_agent(self, spec: AgentSpec, mode: PutMode = "upsert") -> bool:
+        with self._lock:
+            exists = spec.name in self._agents
+            if (mode == "create" and exists) or (mode == "update" and not exists):
+                return False
+            self._agents[spec.name] = spec.to_json()
+            return True
+
+    async def get_agent(self, name: str) -> AgentSpec | None:
+        with self._lock:
+            raw = self._agents.get(name)
+        return None if raw is None else load_agent(raw)
+
+    async def delete_agent(self, name: str) -> bool:
+        with self._lock:
+            self._sessions.pop(name, None)
+            return self._agents.pop(name, None) is not None
+
+    async def list_agents(self) -> list[AgentSpec]:
+        with self._lock:
+            raws = [self._agents[n] for n in sorted(self._agents)]
+        return [load_agent(r) for r in raws]
+
+    def _live(self, agent: str, now: float) -> dict[str, _MemSession]:
+        """The agent's sessions with expired ones dropped (expiry is lazy: checked on access)."""
+        sessions = self._sessions.setdefault(agent, {})
+        for sid in [s for s, v in sessions.items() if not v.live(now)]:
+            del sessions[sid]
+        if not sessions:  # keep no empty entries for names that were merely looked up
+            del self._sessions[agent]
+        return sessions
+
+    async def get_session(self, agent: str, sid: str) -> Session | None:
+        check_session_key(agent, sid)
+        with self._lock:
+            entry = self._sessions.get(agent, {}).get(sid)
+            if entry is None or not entry.live(time.time()):
+                return None
+            return _snapshot(agent, sid, entry)
+
+    async def append_turn(
+        self,
+        agent: str,
+        sid: str,
+        new_messages: list[dict[str, Any]],
+        *,
+        ttl: float | None = None,
+        max_sessions: int | None = None,
+    ) -> Session:
+        check_session_key(agent, sid)
+        encoded = encode_messages(new_messages)
+        ttl, limit = self._ttl(ttl), self._limit(max_sessions)
+        with self._lock:
+            now = time.time()
+            sessions = self._live(agent, now)
+            entry = sessions.get(sid)
+            if entry is None:
+                if limit is not None and len(sessions) >= limit:
+                    raise SessionLimitError(agent, limit)
+                entry = _MemSession([], now, now, None)
+                self._sessions.setdefault(agent, sessions)[sid] = entry
+            entry.messages.extend(encoded)
+            entry.updated = now
+            entry.expires_at = now + ttl if ttl else None
+            return _snapshot(agent, sid, entry)
+
+    async def delete_session(self, agent: str, sid: str) -> bool:
+        check_session_key(agent, sid)
+        with self._lock:
+            entry = self._sessions.get(agent, {}).pop(sid, None)
+            return entry is not None and entry.live(time.time())
+
+    async def list_sessions(self, agent: str) -> list[SessionInfo]:
+        if not AgentSpec.is_valid_name(agent):
+            raise ValueError(f"invalid agent name {agent!r}")
+        with self._lock:
+            sessions = self._live(agent, time.time())
+            infos = [
+                SessionInfo(agent, sid, e.created, e.updated, e.expires_at, len(e.messages))
+                for sid, e in sessions.items()
+            ]
+        return sorted(infos, key=lambda i: (-i.updated, i.id))
+
+
+def _snapshot(agent: str, sid: str, entry: _MemSession) -> Session:
+    messages = [json.loads(m) for m in entry.messages]
+    return Session(agent, sid, messages, entry.created, entry.updated, entry.expires_at)
+
+
+def open_store(
+    url: str | None = None, *, session_ttl: float | None = None, max_sessions_per_agent: int | None = None
+) -> Store:
+    """A store for ``url``: None or "memory://" -> `MemoryStore`; "redis://", "rediss://", "unix://" ->
+    `RedisStore`."""
+    options = {"session_ttl": session_ttl, "max_sessions_per_agent": max_sessions_per_agent}
+    if url is None or url == "memory://":
+        return MemoryStore(**options)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from agents.redis_store import RedisStore
+
+        return RedisStore(url, **options)
+    raise ValueError(f"unsupported store url {url!r}: use memory:// or redis://host:port/db")
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so the redis client is imported only by deployments that use it.
+    if name == "RedisStore":
+        from agents.redis_store import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
