@@ -321,15 +321,16 @@ class Scheduler:
             slot = self.slots[seq.slot]
             boundary = seq.snapshot_points[0] if seq.snapshot_points else len(seq.prompt)
             piece = min(boundary - seq.cursor, sizes[-1])
-            # One padded call for the whole piece when that chunk fits the budget, else the largest full chunk.
+            # One padded call for the whole piece when that wastes little (padding costs full compute on CPU),
+            # else the largest full chunk; a tail shorter than the smallest chunk runs padded in it.
             covering = next(size for size in sizes if size >= piece)
-            if covering <= budget:
+            fitting = [size for size in sizes if size <= min(piece, budget)]
+            if covering <= budget and (not fitting or covering - piece <= piece // 4):
                 n, cost = piece, covering
-            else:
-                fitting = [size for size in sizes if size <= min(piece, budget)]
-                if not fitting:
-                    break
+            elif fitting:
                 n = cost = fitting[-1]
+            else:
+                break
             tokens = np.asarray(seq.prompt[seq.cursor:seq.cursor + n], np.int32)
             logits = self.engine.prefill_chunk(slot.index, tokens, seq.cursor)
             budget -= cost
