@@ -110,9 +110,15 @@ def attention(
     qg = q.reshape(b, t, kh, nh // kh, d)
     quantized = "k_scale" in cached
 
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(q.dtype) if quantized else ck)
     if quantized:
-        scores = scores * jnp.transpose(cached["k_scale"], (0, 2, 1))[:, :, None, None, :].astype(q.dtype)
+        # int8 x int8 -> int32 against the int8 cache itself (no dequantized copy of it); the query's
+        # per-head scale and the keys' per-position scales are applied to the scores.
+        q8, q_scale = quantize_int8(qg)  # [B, T, kh, g, d], [B, T, kh, g]
+        scores = jnp.einsum("btkgd,bskd->bkgts", q8, ck, preferred_element_type=jnp.int32).astype(jnp.float32)
+        scores = scores * jnp.transpose(q_scale, (0, 2, 3, 1))[..., None]
+        scores = scores * jnp.transpose(cached["k_scale"], (0, 2, 1))[:, :, None, None, :]
+    else:
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, ck)
     key_pos = cache_positions(held, length, ring)  # [B, L]
     if chunk is not None:
         k_new, v_new, n_valid = chunk
@@ -131,9 +137,14 @@ def attention(
 
     p_cache = probs[..., :length]
     if quantized:
-        p_cache = p_cache * jnp.transpose(cached["v_scale"], (0, 2, 1))[:, :, None, None, :].astype(q.dtype)
-        cv = cv.astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", p_cache, cv)
+        # Fold the values' per-position scales into the probabilities, quantize those per row, and
+        # contract int8 x int8 again.
+        weighted = p_cache.astype(jnp.float32) * jnp.transpose(cached["v_scale"], (0, 2, 1))[:, :, None, None, :]
+        p8, p_scale = quantize_int8(weighted)
+        out = jnp.einsum("bkgts,bskd->btkgd", p8, cv, preferred_element_type=jnp.int32).astype(jnp.float32)
+        out = (out * jnp.transpose(p_scale, (0, 3, 1, 2))[..., None]).astype(q.dtype)
+    else:
+        out = jnp.einsum("bkgts,bskd->btkgd", p_cache, cv)
     if chunk is not None:
         out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., length:], chunk[1])
     return out.reshape(b, t, nh * d)
@@ -285,9 +296,14 @@ def write_chunk(
     return out
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per position and head: x [B, T, kh, d] -> (int8 [B, T, kh, d], f32 [B, T, kh])."""
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 over the last axis: x [..., d] -> (int8 [..., d], f32 scale [...])."""
     x32 = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0
     q = jnp.round(x32 / jnp.where(scale == 0, 1.0, scale)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per position and head: x [B, T, kh, d] -> (int8 [B, T, kh, d], f32 [B, T, kh])."""
+    return quantize_int8(x)
