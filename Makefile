@@ -3,7 +3,6 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-PROMPT ?= The capital of France is
 
 .PHONY: help install install-test serve generate test test-fast lint bench clean redis-server
 
@@ -24,8 +23,8 @@ install: $(VENV)/.installed  ## install slotserve into .venv
 
 install-test: $(VENV)/.installed-test  ## install slotserve with the test extra
 
-serve: install  ## install, then run the default model (generation CLI until the server lands)
-	$(VENV)/bin/slotserve generate --model default --prompt "$(PROMPT)" --max-tokens 32 --temperature 0
+serve: install  ## install, then serve the default model and agents (OpenAI API on http://127.0.0.1:8000)
+	$(VENV)/bin/slotserve serve
 
 redis-server:  # the Redis integration tests start their own real redis-server on a free port
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)

@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     _engine_args(gen)
 
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (agents, sessions, admin API)")
+    serve.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    serve.add_argument("--host", default=None, help="bind address (default: the config's, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: the config's, 8000)")
+    serve.add_argument("--redis-url", default=None, help="store sessions and agents in Redis (redis://host:port/db)")
+    serve.add_argument("--model", default=None, help="override the config's model ('default', a directory, a .gguf)")
+
     tok = sub.add_parser("tokenize", help="print the token ids of a text (no special tokens added)")
     tok.add_argument("--model", default="default")
     tok.add_argument("--text", required=True)
@@ -73,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from core.generate_cli import run_generate
 
             return run_generate(args)
+        if args.command == "serve":
+            from server.run import run_serve
+
+            return run_serve(args)
         if args.command == "tokenize":
             from core.generate_cli import run_tokenize
 

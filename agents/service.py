@@ -1,0 +1,515 @@
+"""The serving runtime and the chat service between the HTTP server and the scheduler.
+
+* `build_runtime(options)` loads a model, compiles the engine's steps, warms the grammar compiler and
+  builds the `Scheduler`: everything that touches JAX is created here (the server never imports it).
+  `assemble_runtime` does the same from an engine and tokenizer you built yourself (tests, embedding).
+* `ChatService` turns an agent plus an OpenAI-style request (`ChatParams`) into a `GenerationRequest`:
+  session history, the prompt (agent system prompt, tools), sampling parameters (agent defaults
+  overridden by the request), the output constraint (response_format / tools); it submits it, and
+  after generation parses tool calls and commits the session turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.chat_template import ChatTemplate, RenderedPrompt
+from agents.messages import normalize_messages
+from agents.spec import AgentSpec
+from agents.store import SessionLimitError, Store
+from core.sampling import SamplingParams
+from scheduler.grammar_spec import TOOL_CALL_MARKER, ConstraintSpec, UnsupportedConstraintError, parse_tool_calls
+from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ChatParams",
+    "ChatService",
+    "Generation",
+    "Runtime",
+    "RuntimeOptions",
+    "ToolCallFilter",
+    "assemble_runtime",
+    "build_runtime",
+]
+
+Progress = Callable[[str], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# runtime
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What `build_runtime` needs (the server's YAML config maps onto this)."""
+
+    model: str = "default"
+    dtype: str | None = None  # None: chosen per device
+    kv_dtype: str | None = None  # None: the compute dtype; "int8"
+    num_slots: int = 8
+    max_len: int = 8192
+    chunk_sizes: tuple[int, ...] = (32, 128, 512)
+    compile_cache: str | None = None  # directory; None: the default cache dir; "off": disabled
+    prefill_budget: int | None = None
+    max_waiting: int = 256
+    prefix_caching: bool = True
+    host_tier_bytes: int = 2 * 2**30
+    grammar_backend: str = "llguidance"
+    grammar_compile_timeout_s: float = 10.0
+    max_schema_bytes: int = 256_000
+
+
+@dataclass
+class Runtime:
+    """One resident model and everything that serves it."""
+
+    engine: Any  # core.engine.Engine
+    scheduler: Any  # scheduler.scheduler.Scheduler
+    tokenizer: Any  # core.tokenizer.Tokenizer
+    compiler: Any  # scheduler.grammar.GrammarCompiler
+    template: ChatTemplate
+    model_name: str
+    dtype: str
+    dtype_reason: str = ""
+    load_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    _started: bool = field(default=False, repr=False)
+
+    @property
+    def kv_dtype(self) -> str:
+        return str(self.engine.spec.dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.num_slots
+
+    @property
+    def max_len(self) -> int:
+        return self.engine.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.cfg.vocab_size
+
+    def start(self) -> None:
+        if not self._started:
+            self.scheduler.start()
+            self._started = True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End every stream with a finish event, stop the engine thread, close the compiler pool."""
+        if self._started:
+            self.scheduler.stop(timeout)
+            self._started = False
+        self.compiler.close()
+
+    def info(self) -> dict[str, str]:
+        return {
+            "model": self.model_name,
+            "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
+            "slots": str(self.num_slots),
+            "max_len": str(self.max_len),
+            "grammar_backend": self.compiler.backend,
+        }
+
+
+def assemble_runtime(
+    engine: Any,
+    tokenizer: Any,
+    options: RuntimeOptions | None = None,
+    *,
+    model_name: str = "custom",
+    dtype_reason: str = "",
+    load_seconds: float = 0.0,
+    progress: Progress | None = None,
+) -> Runtime:
+    """Grammar compiler + scheduler + chat template around an already warm engine."""
+    from scheduler.grammar import GrammarCompiler
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
+    options = options or RuntimeOptions()
+    if progress:
+        progress("grammar: building the tokenizer bridge")
+    compiler = GrammarCompiler(
+        tokenizer,
+        options.grammar_backend,
+        compile_timeout_s=options.grammar_compile_timeout_s,
+        max_schema_bytes=options.max_schema_bytes,
+        vocab_size=engine.cfg.vocab_size,
+    )
+    compiler.warm_up()
+    scheduler = Scheduler(
+        engine,
+        tokenizer,
+        SchedulerConfig(
+            prefill_budget=options.prefill_budget,
+            max_waiting=options.max_waiting,
+            prefix_caching=options.prefix_caching,
+            host_tier_bytes=options.host_tier_bytes,
+        ),
+        stop_ids=compiler.stop_ids,
+    )
+    return Runtime(
+        engine=engine, scheduler=scheduler, tokenizer=tokenizer, compiler=compiler,
+        template=ChatTemplate(tokenizer), model_name=model_name, dtype=engine.dtype,
+        dtype_reason=dtype_reason, load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
+    )
+
+
+def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
+    """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
+    from core.device import enable_compile_cache
+    from core.engine import Engine, EngineConfig
+    from core.runtime import load_model
+
+    if options.compile_cache != "off":
+        enable_compile_cache(options.compile_cache)
+    if progress:
+        progress(f"loading model {options.model}")
+    model = load_model(options.model, dtype=options.dtype,
+                       progress=(lambda done, total: progress(f"loading weights [{done}/{total}]"))
+                       if progress else None)
+    engine = Engine(model.cfg, model.params,
+                    EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
+                                 chunk_sizes=tuple(options.chunk_sizes), kv_dtype=options.kv_dtype),
+                    model.dtype)
+    if progress:
+        progress(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}), "
+                 f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB; weights {model.dtype} "
+                 f"({model.dtype_reason})")
+    engine.warmup((lambda name, done, total: progress(f"compiling [{done}/{total}] {name}")) if progress else None)
+    return assemble_runtime(engine, model.tokenizer, options, model_name=str(options.model),
+                            dtype_reason=model.dtype_reason, load_seconds=model.load_seconds, progress=progress)
+
+
+# --------------------------------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChatParams:
+    """A validated OpenAI request, transport-free. None means "not given" (the agent default applies)."""
+
+    messages: list[dict[str, Any]] | None = None  # chat
+    prompt: str | list[int] | None = None  # completions: text, or token ids fed as given
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    ignore_eos: bool = False
+    session_id: str | None = None
+    user: str | None = None
+
+
+class InvalidRequestError(ValueError):
+    """A request the service refuses before generating (HTTP 400); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        self.param = param
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass(eq=False)  # identity semantics: the server keeps in-flight generations in a set
+class Generation:
+    """One submitted request: its handle plus what is needed to finish it (tool calls, session commit)."""
+
+    handle: RequestHandle
+    agent: AgentSpec
+    rendered: RenderedPrompt
+    spec: ConstraintSpec | None  # the output constraint (tool calls are parsed with it)
+    session_id: str | None
+    new_messages: list[dict[str, Any]]  # what this turn adds to the session, before the reply
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.rendered.ids)
+
+    @property
+    def tool_mode(self) -> str | None:
+        return self.spec.tool_mode if self.spec is not None and self.spec.kind == "tools" else None
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+@dataclass
+class Outcome:
+    """The final assistant message of a generation."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None
+    finish_reason: str
+
+    def message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+
+class ToolCallFilter:
+    """Streams text content while holding back what may be a tool call.
+
+    Without tools, text passes through. With tool_choice "required" (or a named function) the whole
+    output is a call, so nothing is streamed as content. With "auto", text is held while it could still
+    be the start of `TOOL_CALL_MARKER`; once it cannot, it flows; once it is, the rest is the call.
+    """
+
+    def __init__(self, mode: str | None) -> None:
+        self.mode = mode
+        self.buffer = ""
+        self.released = mode is None
+
+    def push(self, text: str) -> str:
+        if self.released:
+            return text
+        self.buffer += text
+        if self.mode == "auto":
+            head = self.buffer[: len(TOOL_CALL_MARKER)]
+            if not TOOL_CALL_MARKER.startswith(head):
+                self.released = True
+                out, self.buffer = self.buffer, ""
+                return out
+        return ""
+
+    @property
+    def held(self) -> str:
+        return self.buffer
+
+
+def _leading_system(messages: list[dict[str, Any]]) -> int:
+    n = 0
+    while n < len(messages) and messages[n]["role"] in ("system", "developer"):
+        n += 1
+    return n
+
+
+def merge_history(history: list[dict[str, Any]], incoming: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages of ``incoming`` (normalised) that the stored ``history`` does not hold yet.
+
+    A client may send only the new message(s), or resend the whole conversation (optionally with its
+    system message each time): a resent prefix equal to the stored conversation is not stored twice."""
+    if not history:
+        return incoming
+    if incoming[: len(history)] == history:
+        return incoming[len(history):]
+    lead_in, lead_h = _leading_system(incoming), _leading_system(history)
+    if lead_in and incoming[:lead_in] == history[:lead_h]:
+        rest, body = incoming[lead_in:], history[lead_h:]
+        return rest[len(body):] if rest[: len(body)] == body else rest
+    return incoming
+
+
+def response_format_spec(response_format: dict[str, Any] | None) -> ConstraintSpec | None:
+    if not response_format:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec.json_object()
+    if kind == "json_schema":
+        body = response_format.get("json_schema") or {}
+        if "schema" not in body:
+            raise InvalidRequestError("response_format.json_schema.schema is required", "response_format")
+        return ConstraintSpec.json_schema(body["schema"], strict=bool(body.get("strict", False)))
+    raise InvalidRequestError(f"unsupported response_format type {kind!r}", "response_format.type")
+
+
+class ChatService:
+    """Agent + request -> scheduler request -> finished message (+ session turn)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        store: Store,
+        *,
+        default_max_tokens: int = 256,
+        max_tokens_limit: int | None = None,
+        max_prompt_tokens: int | None = None,
+        session_ttl: float | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.store = store
+        self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit
+        self.max_prompt_tokens = max_prompt_tokens
+        self.session_ttl = session_ttl
+
+    # ---- building blocks (also used by tests as debug hooks) ------------------------------------
+
+    def prompt_limit(self, agent: AgentSpec) -> int:
+        limits = [self.runtime.max_len - 1]
+        if agent.context_limit:
+            limits.append(agent.context_limit)
+        if self.max_prompt_tokens:
+            limits.append(self.max_prompt_tokens)
+        return min(limits)
+
+    def render_chat(self, agent: AgentSpec, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> RenderedPrompt:
+        """The prompt ids for a conversation under ``agent`` (the exact ids the model is fed)."""
+        return self.runtime.template.render(agent.system_prompt, messages, tools=tools,
+                                            max_prompt_tokens=self.prompt_limit(agent))
+
+    def sampling(self, agent: AgentSpec, p: ChatParams) -> SamplingParams:
+        d = agent.defaults
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(p, name)
+            if value is None:
+                value = getattr(d, name, None)
+            return fallback if value is None else value
+
+        bias = p.logit_bias or {}
+        vocab = self.runtime.vocab_size
+        for token in bias:
+            if not 0 <= token < vocab:
+                raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
+                                          "logit_bias")
+        try:
+            return SamplingParams(
+                temperature=float(pick("temperature", 1.0)),
+                top_k=int(pick("top_k", 0)),
+                top_p=float(pick("top_p", 1.0)),
+                min_p=float(pick("min_p", 0.0)),
+                seed=p.seed,
+                repetition_penalty=float(pick("repetition_penalty", 1.0)),
+                frequency_penalty=float(pick("frequency_penalty", 0.0)),
+                presence_penalty=float(pick("presence_penalty", 0.0)),
+                logit_bias=tuple(sorted(bias.items())),
+                logprobs=p.top_logprobs if p.logprobs else 0,
+            )
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def constraint_spec(self, agent: AgentSpec, p: ChatParams) -> tuple[ConstraintSpec | None, list | None]:
+        """(the output constraint, the tools to describe in the prompt)."""
+        tools = p.tools if p.tools is not None else agent.tools
+        choice = p.tool_choice if p.tool_choice is not None else (agent.tool_choice if p.tools is None else "auto")
+        response_format = p.response_format if p.response_format is not None else agent.response_format
+        tool_spec = ConstraintSpec.tools(tools, choice) if tools or choice not in ("auto", "none") else None
+        format_spec = response_format_spec(response_format)
+        if tool_spec is not None and format_spec is not None:
+            raise UnsupportedConstraintError("response_format with tools",
+                                             "set tool_choice to 'none' or drop response_format")
+        described = tools if tools and choice != "none" else None
+        return tool_spec or format_spec, described
+
+    async def session_messages(self, agent: AgentSpec, session_id: str | None,
+                               messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(the full conversation to render, the new messages this turn adds to the session)."""
+        incoming = normalize_messages(messages)
+        if session_id is None:
+            return incoming, incoming
+        session = await self.store.get_session(agent.name, session_id)
+        history = session.messages if session is not None else []
+        limit = self.store.max_sessions_per_agent
+        if session is None and limit and len(await self.store.list_sessions(agent.name)) >= limit:
+            raise SessionLimitError(agent.name, limit)  # refuse before generating, not at commit
+        new = merge_history(history, incoming)
+        return history + new, new
+
+    # ---- the request ---------------------------------------------------------------------------
+
+    async def submit(self, agent: AgentSpec, p: ChatParams) -> Generation:
+        """Validate, render, compile the constraint and submit; raises before any token is generated."""
+        spec, tools = self.constraint_spec(agent, p)
+        if p.messages is not None:
+            conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages)
+            if not conversation:
+                raise InvalidRequestError("messages must not be empty", "messages")
+            rendered = await asyncio.to_thread(self.render_chat, agent, conversation, tools)
+        else:
+            if p.session_id is not None:
+                raise InvalidRequestError("sessions are supported on chat completions only", "session_id")
+            new_messages = []
+            rendered = await asyncio.to_thread(self._render_completion, agent, p.prompt)
+        sampling = self.sampling(agent, p)
+        constraint = None
+        if spec is not None:
+            compiled = await asyncio.wrap_future(self.runtime.compiler.compile_async(spec))
+            constraint = self.runtime.compiler.matcher(compiled)
+        room = self.runtime.max_len - len(rendered.ids)
+        if room < 1:
+            raise ContextLengthError(f"the prompt has {len(rendered.ids)} tokens; the context holds "
+                                     f"{self.runtime.max_len} including at least one generated token")
+        wanted = p.max_tokens or agent.defaults.max_tokens or self.default_max_tokens
+        max_tokens = min(wanted, room, self.max_tokens_limit or wanted)
+        stop = p.stop if p.stop is not None else (agent.defaults.stop or [])
+        request = GenerationRequest(
+            prompt_ids=tuple(rendered.ids),
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            ignore_eos=p.ignore_eos,
+            session=f"{agent.name}:{p.session_id}" if p.session_id else None,
+            agent=agent.name,
+            priority=agent.priority,
+            cache_hints=(rendered.system_end,) if rendered.system_end else (),
+            want_logprobs=p.logprobs,
+            constraint=constraint,
+        )
+        handle = self.runtime.scheduler.submit(request, loop=asyncio.get_running_loop())
+        return Generation(handle, agent, rendered, spec, p.session_id, new_messages)
+
+    def _render_completion(self, agent: AgentSpec, prompt: str | list[int] | None) -> RenderedPrompt:
+        if prompt is None:
+            raise InvalidRequestError("prompt is required", "prompt")
+        if isinstance(prompt, list):
+            vocab = self.runtime.vocab_size
+            if not prompt or any(not 0 <= t < vocab for t in prompt):
+                raise InvalidRequestError(f"prompt token ids must be a non-empty list in [0, {vocab})", "prompt")
+            limit = self.prompt_limit(agent)
+            if len(prompt) > limit:
+                from agents.chat_template import PromptTooLongError
+
+                raise PromptTooLongError(len(prompt), limit)
+            return RenderedPrompt(list(prompt), 0, "")
+        return self.runtime.template.render_completion(prompt, max_prompt_tokens=self.prompt_limit(agent))
+
+    def finish(self, gen: Generation, text: str, reason: FinishReason) -> Outcome:
+        """The assistant message for the generated ``text`` (tool calls parsed) and the OpenAI finish reason."""
+        finish = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(reason, str(reason))
+        if gen.tool_mode is not None:
+            try:
+                calls = parse_tool_calls(text, gen.spec)
+            except ValueError:
+                calls = None  # cut short (max_tokens): hand back the raw text
+            if calls:
+                return Outcome(None, calls, "tool_calls")
+        return Outcome(text, None, finish)
+
+    async def commit(self, gen: Generation, outcome: Outcome) -> None:
+        """Store this turn (new messages + the reply) in the session, if the request has one."""
+        if gen.session_id is None:
+            return
+        reply = outcome.message()
+        if reply["content"] is None:
+            reply["content"] = ""
+        await self.store.append_turn(gen.agent.name, gen.session_id, [*gen.new_messages, reply],
+                                     ttl=self.session_ttl)

@@ -1,0 +1,135 @@
+"""The server's YAML configuration (`configs/default.yaml` documents every field)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agents.service import RuntimeOptions
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    name: str = "default"  # "default", an HF checkpoint directory or a .gguf file
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: chosen per device
+    kv_dtype: str | None = None  # None: the compute dtype; "int8"
+    slots: int = Field(8, ge=1)
+    max_len: int = Field(8192, ge=16)
+    chunk_sizes: list[int] = Field(default_factory=lambda: [32, 128, 512], min_length=1)
+    compile_cache: str | None = None  # directory; None: ~/.cache/slotserve/xla; "off": disabled
+
+    @field_validator("chunk_sizes")
+    @classmethod
+    def _increasing(cls, value: list[int]) -> list[int]:
+        if sorted(set(value)) != value or value[0] < 1:
+            raise ValueError("chunk_sizes must be strictly increasing positive integers")
+        return value
+
+
+class SchedulerSection(_Section):
+    prefill_budget: int | None = Field(None, ge=1)
+    max_waiting: int = Field(256, ge=1)
+    prefix_caching: bool = True
+    host_tier_bytes: int = Field(2 * 2**30, ge=0)
+
+
+class GrammarSection(_Section):
+    backend: Literal["llguidance", "outlines-core"] = "llguidance"
+    compile_timeout_s: float = Field(10.0, gt=0)
+    max_schema_bytes: int = Field(256_000, ge=1)
+
+
+class AuthSection(_Section):
+    enabled: bool = False
+    admin_keys: list[str] = Field(default_factory=list)  # Bearer keys for /admin (and any agent)
+
+
+class LimitsSection(_Section):
+    max_body_bytes: int = Field(1_048_576, ge=1024)  # larger request bodies: 413
+    max_prompt_tokens: int | None = Field(None, ge=1)  # besides each agent's context_limit and the slot length
+    default_max_tokens: int = Field(256, ge=1)  # when neither the request nor the agent sets max_tokens
+    max_tokens: int | None = Field(None, ge=1)  # cap on generated tokens per request (None: the slot length)
+
+
+class StoreSection(_Section):
+    url: str = "memory://"  # memory:// or redis://host:port/db
+    prefix: str = "slotserve:"  # Redis key prefix
+    session_ttl_s: float = Field(86_400, ge=0)  # 0: sessions never expire
+    max_sessions_per_agent: int = Field(0, ge=0)  # 0: no limit
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    graceful_shutdown_s: float = Field(30.0, ge=0)  # in-flight streams get this long, then are ended
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_json: bool = True
+
+
+class ServerConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    grammar: GrammarSection = Field(default_factory=GrammarSection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+    limits: LimitsSection = Field(default_factory=LimitsSection)
+    store: StoreSection = Field(default_factory=StoreSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    agents_dir: str | None = "configs/agents"  # relative paths: from the repository root; null: none
+
+    @field_validator("auth")
+    @classmethod
+    def _keys_when_enabled(cls, value: AuthSection) -> AuthSection:
+        if value.enabled and not value.admin_keys:
+            raise ValueError("auth.enabled needs at least one admin key")
+        return value
+
+    def agents_path(self) -> Path | None:
+        if self.agents_dir is None:
+            return None
+        path = Path(self.agents_dir)
+        return path if path.is_absolute() else REPO_ROOT / path
+
+    def runtime_options(self) -> RuntimeOptions:
+        m, s, g = self.model, self.scheduler, self.grammar
+        return RuntimeOptions(
+            model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, num_slots=m.slots, max_len=m.max_len,
+            chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache, prefill_budget=s.prefill_budget,
+            max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, host_tier_bytes=s.host_tier_bytes,
+            grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,
+            max_schema_bytes=g.max_schema_bytes,
+        )
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+    """The config from ``path`` (default: configs/default.yaml), with dotted ``overrides`` applied
+    (e.g. {"server.port": 9000, "store.url": "redis://..."})."""
+    source = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        data = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{source}: cannot read YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return ServerConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: invalid config: {e}") from e

@@ -1,0 +1,153 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Bad input is never a 500: validation errors, unsupported parameters and schema features, unknown
+agents, full queues and oversize prompts all map to 4xx here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agents.chat_template import PromptTooLongError
+from agents.messages import MessageError, TemplateError
+from agents.registry import AgentConflictError, ReadOnlyAgentError, UnknownAgentError
+from agents.service import InvalidRequestError
+from agents.store import InvalidSessionIdError, SessionLimitError, StoreError
+from scheduler.grammar_spec import UnsupportedConstraintError
+from scheduler.request import ContextLengthError, QueueFullError
+
+log = logging.getLogger("slotserve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:  # noqa: A002
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out
+
+
+def validation_error(errors: list[dict[str, Any]], status: int = 400) -> APIError:
+    """The first problem of a pydantic error list, named (unknown fields: unsupported_parameter)."""
+    extra = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if extra:
+        names = sorted({_loc(tuple(e["loc"])) for e in extra})
+        return APIError(status, f"Unsupported parameter(s): {', '.join(names)}. slotserve does not implement "
+                                f"{'it' if len(names) == 1 else 'them'}; remove {'it' if len(names) == 1 else 'them'}.",
+                        param=names[0], code="unsupported_parameter")
+    if not errors:
+        return APIError(status, "invalid request")
+    first = errors[0]
+    param = _loc(tuple(first.get("loc", ()))) or None
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "json_invalid":
+        return APIError(status, f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}",
+                        code="invalid_json")
+    if first.get("type") == "missing":
+        return APIError(status, f"missing required parameter: {param}", param=param, code="missing_required_parameter")
+    return APIError(status, f"invalid value for {param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    def handler(status: int, code: str | None = None, param_of=None):
+        async def handle(request: Request, exc: Exception) -> JSONResponse:
+            param = param_of(exc) if param_of else None
+            return APIError(status, str(exc), code=code, param=param).response()
+
+        return handle
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        status = 422 if request.url.path.startswith("/admin") else 400
+        return validation_error(list(exc.errors()), status).response()
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic(request: Request, exc: ValidationError) -> JSONResponse:
+        status = 422 if request.url.path.startswith("/admin") else 400
+        return validation_error(list(exc.errors()), status).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail) if exc.detail else "error"
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(UnsupportedConstraintError)
+    async def _constraint(request: Request, exc: UnsupportedConstraintError) -> JSONResponse:
+        return APIError(400, str(exc), param=exc.feature, code="unsupported_schema_feature").response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return APIError(400, str(exc), param=exc.param, code=exc.code).response()
+
+    app.add_exception_handler(UnknownAgentError, handler(404, "model_not_found"))
+    app.add_exception_handler(AgentConflictError, handler(409, "agent_exists"))
+    app.add_exception_handler(ReadOnlyAgentError, handler(403, "agent_read_only"))
+    app.add_exception_handler(QueueFullError, handler(429, "queue_full"))
+    app.add_exception_handler(SessionLimitError, handler(429, "session_limit"))
+    app.add_exception_handler(ContextLengthError, handler(400, "context_length_exceeded"))
+    app.add_exception_handler(PromptTooLongError, handler(400, "context_length_exceeded"))
+    app.add_exception_handler(InvalidSessionIdError, handler(400, "invalid_session_id"))
+    app.add_exception_handler(MessageError, handler(400, "invalid_message", lambda e: "messages"))
+    app.add_exception_handler(TemplateError, handler(400, "invalid_message", lambda e: "messages"))
+    app.add_exception_handler(StoreError, handler(500, "store_error"))
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, exc: ValueError) -> JSONResponse:
+        # Validation raised deep inside (sampling parameters, request shapes): the client's input.
+        return APIError(400, str(exc), code="invalid_value").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error", code="internal_error").response()

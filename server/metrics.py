@@ -1,0 +1,91 @@
+"""Prometheus metrics (one registry per app, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class _SchedulerCollector(Collector):
+    """Gauges read from the live scheduler at scrape time."""
+
+    def __init__(self, runtime: Callable[[], Any], ready: Callable[[], bool]) -> None:
+        self._runtime = runtime
+        self._ready = ready
+
+    def collect(self):
+        ready = GaugeMetricFamily("slotserve_ready", "1 once the model is loaded and warm")
+        ready.add_metric([], 1.0 if self._ready() else 0.0)
+        yield ready
+        runtime = self._runtime()
+        if runtime is None:
+            return
+        sched = runtime.scheduler
+        stats = sched.stats
+        busy = sum(slot.busy for slot in sched.slots)
+        for name, doc, value in (
+            ("slotserve_slots_total", "KV slots", runtime.num_slots),
+            ("slotserve_slots_busy", "KV slots holding a running request", busy),
+            ("slotserve_slot_occupancy_ratio", "busy slots / slots", busy / max(runtime.num_slots, 1)),
+            ("slotserve_queue_depth", "requests waiting for a slot", sched.waiting),
+            ("slotserve_prefilling_requests", "requests in prefill", sched.prefilling),
+            ("slotserve_prefix_cache_hit_ratio", "prompt tokens served from a cache / prompt tokens",
+             stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0),
+            ("slotserve_host_tier_bytes", "bytes of KV snapshots held in host memory",
+             sched.host.bytes_used),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+        for field, doc in (
+            ("iterations", "scheduler iterations"),
+            ("decode_steps", "batched decode steps"),
+            ("prefill_tokens", "prompt tokens computed"),
+            ("cached_tokens", "prompt tokens reused from a cache"),
+            ("prompt_tokens", "prompt tokens requested"),
+            ("host_restores", "host-tier restores"),
+            ("host_saves", "host-tier saves"),
+            ("device_copies", "slot-to-slot prefix copies"),
+            ("rejected_queue_full", "requests refused because the queue was full"),
+            ("cancelled", "requests cancelled (client gone or shutdown)"),
+        ):
+            c = CounterMetricFamily(f"slotserve_scheduler_{field}", doc)
+            c.add_metric([], float(getattr(stats, field)))
+            yield c
+
+
+class Metrics:
+    def __init__(self, runtime: Callable[[], Any], ready: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("slotserve_requests", "HTTP requests to the OpenAI endpoints",
+                                ["agent", "endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("slotserve_prompt_tokens", "prompt tokens", ["agent"], registry=r)
+        self.cached_tokens = Counter("slotserve_cached_prompt_tokens", "prompt tokens served from the prefix cache",
+                                     ["agent"], registry=r)
+        self.completion_tokens = Counter("slotserve_completion_tokens", "generated tokens", ["agent"], registry=r)
+        self.finished = Counter("slotserve_generations", "finished generations by finish reason",
+                                ["agent", "finish_reason"], registry=r)
+        self.ttft = Histogram("slotserve_time_to_first_token_seconds", "time from request to first token",
+                              ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("slotserve_inter_token_latency_seconds", "time between streamed tokens",
+                                     ["agent"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.duration = Histogram("slotserve_request_duration_seconds", "time from request to the last token",
+                                  ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.model_info = Info("slotserve_model", "the resident model, its precision and KV pool", registry=r)
+        r.register(_SchedulerCollector(runtime, ready))
+
+    def set_model_info(self, info: dict[str, str]) -> None:
+        self.model_info.info(info)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,210 @@
+"""OpenAI request bodies as pydantic models.
+
+Every model forbids unknown fields, so a parameter slotserve does not implement (``audio``,
+``functions``, ``prediction``, ``echo``, a typo...) is answered with HTTP 400 naming it instead of
+being silently ignored. Known parameters with values we cannot honour (``n`` > 1, ``modalities``
+other than text) are refused by `unsupported_values`.
+
+Extensions (not in OpenAI's API): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``session_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agents.store import SESSION_ID_PATTERN
+
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_STOP = 16
+MAX_LOGIT_BIAS = 300
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- messages -------------------------------------------------------------------------------------
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Strict):
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, min_length=1, max_length=256)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)
+    # Fields of a returned assistant message that clients send back unchanged; only empty values.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = Field(None, max_length=0)
+
+
+# ---- output constraints ---------------------------------------------------------------------------
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = False
+
+
+class ResponseFormatJSONSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema, Field(discriminator="type")
+]
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+
+class _Sampling(_Strict):
+    model: str | None = Field(None, max_length=256, examples=["assistant"],
+                              description="an agent name (optional on /agents/{agent}/v1)")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=128, description="only 1 is supported")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    user: str | None = Field(None, max_length=256)
+    max_tokens: int | None = Field(None, ge=1)
+    # extensions
+    top_k: int | None = Field(None, ge=0, description="extension: 0 disables top-k")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="extension")
+    ignore_eos: bool | None = Field(None, description="extension: keep generating past end-of-sequence tokens")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for token, bias in value.items():
+            if not token.isdigit() or len(token) > 9:
+                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias for token {token} must be in [-100, 100]")
+        return value
+
+    def stop_list(self) -> list[str] | None:
+        if self.stop is None:
+            return None
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def bias(self) -> dict[int, float] | None:
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, examples=[[{"role": "user", "content": "Hello"}]])
+    max_completion_tokens: int | None = Field(None, ge=1, examples=[4])
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted; at most one call is made per turn")
+    modalities: list[Literal["text"]] | None = None
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, examples=["session-1"],
+                                   description="extension (or X-Session-Id)")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] = Field(description="text, a list of one text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = Field(None, description="extension: constrain the completion")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+
+def unsupported_values(body: _Sampling) -> tuple[str, str] | None:
+    """(param, message) for a known parameter set to a value slotserve cannot honour."""
+    if body.n is not None and body.n != 1:
+        return "n", "n > 1 is not supported: one choice per request"
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+        return "top_logprobs", "top_logprobs requires logprobs: true"
+    return None

@@ -1,0 +1,77 @@
+"""Auth on: admin key for /admin, per-agent keys for agent endpoints and their sessions."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from test_server_helpers import LiveServer, server_config, tiny_runtime
+
+from server.app import create_app
+
+ADMIN = "admin-secret"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = server_config(auth__enabled=True, auth__admin_keys=[ADMIN])
+    with LiveServer(create_app(config, runtime=tiny_runtime())) as srv:
+        for name, key in (("alpha", "key-a"), ("beta", "key-b")):
+            r = httpx.post(f"{srv.url}/admin/agents", headers=bearer(ADMIN),
+                           json={"name": name, "system_prompt": f"You are {name}.", "api_keys": [key]})
+            assert r.status_code == 201, r.text
+            assert "api_keys" not in r.json() and r.json()["auth_required"] is True
+        yield srv
+
+
+def test_admin_needs_the_admin_key(server):
+    url = f"{server.url}/admin/agents"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers=bearer("key-a")).status_code == 403
+    assert httpx.get(url, headers=bearer(ADMIN)).status_code == 200
+    r = httpx.post(url, headers=bearer("key-a"), json={"name": "evil"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+
+
+def test_agent_keys_are_isolated(server):
+    alpha = openai.OpenAI(base_url=f"{server.url}/agents/alpha/v1", api_key="key-a", max_retries=0)
+    r = alpha.chat.completions.create(model="alpha", messages=USER, max_tokens=1)
+    assert r.model == "alpha"
+    beta_with_a = openai.OpenAI(base_url=f"{server.url}/agents/beta/v1", api_key="key-a", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        beta_with_a.chat.completions.create(model="beta", messages=USER, max_tokens=1)
+    v1 = openai.OpenAI(base_url=f"{server.url}/v1", api_key="key-a", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        v1.chat.completions.create(model="beta", messages=USER, max_tokens=1)
+    with pytest.raises(openai.PermissionDeniedError):  # file agents without keys are closed when auth is on
+        v1.chat.completions.create(model="assistant", messages=USER, max_tokens=1)
+    assert [m.id for m in v1.models.list()] == ["alpha"]
+    r = httpx.post(f"{server.url}/agents/alpha/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).chat.completions.create(
+            model="alpha", messages=USER, max_tokens=1)
+    # the admin key may call any agent
+    admin = openai.OpenAI(base_url=f"{server.url}/v1", api_key=ADMIN, max_retries=0)
+    assert admin.chat.completions.create(model="beta", messages=USER, max_tokens=1).model == "beta"
+
+
+def test_sessions_are_isolated(server):
+    r = httpx.post(f"{server.url}/agents/alpha/v1/chat/completions", headers={**bearer("key-a"), "X-Session-Id": "s1"},
+                   json={"messages": USER, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200
+    own = httpx.get(f"{server.url}/agents/alpha/v1/sessions/s1", headers=bearer("key-a"))
+    assert own.status_code == 200 and len(own.json()["messages"]) == 2
+    # B's key cannot read A's session, A's key cannot reach B's (namespaced: B has no s1 either)
+    assert httpx.get(f"{server.url}/agents/alpha/v1/sessions/s1", headers=bearer("key-b")).status_code == 403
+    assert httpx.get(f"{server.url}/agents/beta/v1/sessions/s1", headers=bearer("key-a")).status_code == 403
+    assert httpx.get(f"{server.url}/agents/beta/v1/sessions/s1", headers=bearer("key-b")).status_code == 404
+    assert httpx.delete(f"{server.url}/agents/alpha/v1/sessions/s1", headers=bearer("key-b")).status_code == 403
+    assert httpx.get(f"{server.url}/agents/alpha/v1/sessions", headers=bearer("key-b")).status_code == 403
+    assert httpx.get(f"{server.url}/agents/alpha/v1/sessions/s1").status_code == 401
