@@ -194,10 +194,11 @@ def forward(
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
 
-    # One token per row (decode): scatter it into the cache before any layer reads the cache, so the
-    # donated cache is updated in place (a read before a later scatter makes XLA copy it whole). The
-    # attention is the same either way: the cache's own entry at the new position is masked out and the
-    # new key is attended to directly. Longer chunks are written last: a chunk may be longer than the ring.
+    # Scatter new K/V into the cache before any layer reads it, so the donated cache is updated in place
+    # (a read before a later scatter makes XLA copy the whole cache). The attention is the same either
+    # way: cache entries at the new positions are masked out and the new keys are attended to directly.
+    # Only a sliding ring written by a chunk of several tokens must wait: the chunk's later tokens would
+    # overwrite ring entries its earlier tokens still need (the ring is small, so its copy is cheap).
     write_first = t == 1
     new_kv: dict[int, tuple[jax.Array, jax.Array]] = {}
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
@@ -213,7 +214,7 @@ def forward(
             if cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
             new_kv[layer.index] = (k, v)
-            if write_first:
+            if write_first or not layer.is_sliding:  # a global cache has a distinct index per position
                 cache = write_chunk(cache, {layer.index: (k, v)}, cfg, positions, n_valid, slots)
         entry = cache[layer_key(layer.kv_source)]
         cached = entry if all_slots else {name: arr[slots] for name, arr in entry.items()}
@@ -240,7 +241,8 @@ def forward(
             h = h * lp["layer_scalar"].astype(dtype)
 
     if not write_first:
-        cache = write_chunk(cache, new_kv, cfg, positions, n_valid, slots)
+        rings = {i: kv for i, kv in new_kv.items() if cfg.layers[i].is_sliding}
+        cache = write_chunk(cache, rings, cfg, positions, n_valid, slots)
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if logits_mode == "hidden":
         return h, cache
