@@ -36,7 +36,15 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, w: Any) -> jax.Array:
-    """x [..., in] @ w [out, in]^T. `w` may be int8 storage {"q": int8 [out, in], "s": f32 [out]}."""
+    """x [..., in] @ w [out, in]^T. `w` may be int8 storage {"q": int8 [out, in], "s": f32 [out]}
+    (weight-only: dequantized into the float product), or W8A8 storage {"qa8": int8 [out, in], "s": f32 [out]}:
+    x is then quantized per row (symmetric, scale max|x|/127) and contracted int8 x int8 -> int32."""
+    if isinstance(w, dict) and "qa8" in w:
+        x8, x_scale = quantize_int8(x)  # [..., in] int8, [...] f32
+        acc = jax.lax.dot_general(x8, w["qa8"], (((x.ndim - 1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.int32)
+        y = acc.astype(jnp.float32) * (x_scale[..., None] * w["s"].astype(jnp.float32))
+        return y.astype(x.dtype)
     if isinstance(w, dict):
         y = jnp.einsum("...i,oi->...o", x, w["q"].astype(x.dtype))
         return y * w["s"].astype(x.dtype)
@@ -44,7 +52,7 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
 
 
 def embedding_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
-    """Rows of an embedding table, which may be int8 {"q", "s"} or packed int4 {"q4", "s"}."""
+    """Rows of an embedding table, which may be int8 {"q" or "qa8", "s"} or packed int4 {"q4", "s"}."""
     if not isinstance(table, dict):
         return jnp.take(table, ids, axis=0)
     if "q4" in table:
@@ -53,7 +61,7 @@ def embedding_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
         high = (packed >> 4).astype(jnp.int8) - 8
         q = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     else:
-        q = jnp.take(table["q"], ids, axis=0)
+        q = jnp.take(table["q"] if "q" in table else table["qa8"], ids, axis=0)  # W8A8 rows are gathered too
     return q.astype(dtype) * jnp.take(table["s"], ids, axis=0)[..., None].astype(dtype)
 
 

@@ -39,6 +39,7 @@ def load_model(
     dtype: str | None = None,
     int8_matrices: bool = False,
     int4_ple: bool = False,
+    precision: str = "float",
     progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
     begin = time.perf_counter()
@@ -46,7 +47,7 @@ def load_model(
     cfg = ModelConfig.from_hf_dict(source.config)
     chosen, reason = choose_dtype(dtype)
     log.info("compute dtype %s (%s)", chosen, reason)
-    policy = WeightPolicy(dtype=chosen, int8_matrices=int8_matrices, int4_ple=int4_ple)
+    policy = WeightPolicy(dtype=chosen, int8_matrices=int8_matrices, int4_ple=int4_ple, precision=precision)
     params = load_params(source, cfg, policy, progress)
     tokenizer = Tokenizer.from_pretrained(source.path)
     return LoadedModel(

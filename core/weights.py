@@ -55,11 +55,22 @@ INT8_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "per_layer_input_gate", "per_layer_projection", "embed", "lm_head", "per_layer_model_projection"}
 
 
+PRECISIONS = ("float", "w8a8")
+
+
 @dataclass(frozen=True)
 class WeightPolicy:
     dtype: str = "float32"  # compute dtype
     int8_matrices: bool = False  # big matrices as int8 with per-row scales
     int4_ple: bool = False  # the per-layer-embedding table as packed int4 with per-row scales
+    # "float": matrices as stored (or int8 weight-only with int8_matrices); "w8a8": the INT8_TARGETS
+    # matrices as int8 with per-row scales under the key "qa8", which linear() runs with per-token int8
+    # activations (int8 x int8 -> int32); embedding lookups still gather and dequantize rows.
+    precision: str = "float"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 def quantize_rows_int8(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -132,6 +143,9 @@ def _place(array: np.ndarray, key: str, name: str, cfg: ModelConfig, policy: Wei
         return jax.device_put(array.astype(dtype))
     if key == "embed_per_layer" and policy.int4_ple:
         return jax.device_put(quantize_rows_int4(array))
+    if key in INT8_TARGETS and policy.precision == "w8a8":
+        q = quantize_rows_int8(array)
+        return jax.device_put({"qa8": q["q"], "s": q["s"]})
     if key in INT8_TARGETS and policy.int8_matrices:
         return jax.device_put(quantize_rows_int8(array))
     if array.dtype != dtype:
@@ -156,6 +170,25 @@ def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, std: 
             value += 1.0
         target[key] = jax.device_put(value.astype(dtype))
     return params
+
+
+def to_w8a8(params: dict[str, Any]) -> dict[str, Any]:
+    """A float parameter tree (from load_params or random_params) with its INT8_TARGETS matrices converted
+    to W8A8 storage, as load_params(..., WeightPolicy(precision="w8a8")) would place them. The float
+    tree is left as it is (the two share every other array)."""
+
+    def convert(tree: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, value in tree.items():
+            if key in INT8_TARGETS and value is not None and not isinstance(value, dict):
+                q = quantize_rows_int8(np.asarray(value, dtype=np.float32))
+                value = jax.device_put({"qa8": q["q"], "s": q["s"]})
+            out[key] = value
+        return out
+
+    converted = convert({k: v for k, v in params.items() if k != "layers"})
+    converted["layers"] = [convert(layer) for layer in params["layers"]]
+    return converted
 
 
 def param_bytes(params: dict[str, Any]) -> int:
