@@ -329,19 +329,20 @@ def _add_routes(app: FastAPI) -> None:
         agent = await _agent(request, model)
         return _model_card(agent)
 
-    @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat(request: Request, body: ChatCompletionRequest) -> Response:
-        if not body.model:
+    async def _agent_of(request: Request, model: str | None) -> Any:
+        """On /v1 the `model` field names the agent."""
+        if not model:
             raise APIError(400, "model is required: the name of an agent (see GET /v1/models)", param="model",
                            code="missing_required_parameter")
-        return await _chat(request, await _agent(request, body.model), body)
+        return await _agent(request, model)
+
+    @app.post("/v1/chat/completions", tags=["openai"])
+    async def chat(request: Request, body: ChatCompletionRequest) -> Response:
+        return await _chat(request, await _agent_of(request, body.model), body)
 
     @app.post("/v1/completions", tags=["openai"])
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        if not body.model:
-            raise APIError(400, "model is required: the name of an agent (see GET /v1/models)", param="model",
-                           code="missing_required_parameter")
-        return await _complete(request, await _agent(request, body.model), body)
+        return await _complete(request, await _agent_of(request, body.model), body)
 
     @app.get("/agents/{agent}/v1/models", tags=["agents"])
     async def agent_models(request: Request, agent: AgentName) -> dict[str, Any]:
