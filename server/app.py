@@ -36,7 +36,7 @@ from agents.registry import AgentRegistry
 from agents.service import ChatParams, ChatService, Generation, Runtime, ToolCallFilter, build_runtime
 from agents.spec import AgentSpec
 from agents.store import SessionLimitError, Store, open_store
-from scheduler.request import FinishEvent, FinishReason, TokenEvent
+from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
 from server.auth import Auth
 from server.config import ServerConfig
 from server.errors import APIError, error_body, install_error_handlers
@@ -580,6 +580,18 @@ def _chat_params(body: ChatCompletionRequest, session_id: str | None) -> ChatPar
     )
 
 
+async def _submit(state: Any, service: Any, agent: Any, params: Any, tracker: Any) -> Any:
+    """Submit a generation, counting a refusal under its own HTTP status in the metrics."""
+    try:
+        gen = await service.submit(agent, params)
+    except Exception as exc:
+        overloaded = isinstance(exc, QueueFullError | SessionLimitError)
+        tracker.done(None, 429 if overloaded else getattr(exc, "status", 400))
+        raise
+    state.live.add(gen)
+    return gen
+
+
 async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest) -> Response:
     state = _state(request)
     service = state.require_ready()
@@ -587,12 +599,7 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
     params = _chat_params(body, _session_id(request, body))
     tracker = _Tracker(state, agent.name, "chat")
     tracker.user = body.user
-    try:
-        gen = await service.submit(agent, params)
-    except Exception:
-        tracker.done(None, 400)
-        raise
-    state.live.add(gen)
+    gen = await _submit(state, service, agent, params, tracker)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -721,12 +728,7 @@ async def _complete(request: Request, agent: AgentSpec, body: CompletionRequest)
     tracker = _Tracker(state, agent.name, "completions")
     tracker.user = body.user
     params = _completion_params(body)
-    try:
-        gen = await service.submit(agent, params)
-    except Exception:
-        tracker.done(None, 400)
-        raise
-    state.live.add(gen)
+    gen = await _submit(state, service, agent, params, tracker)
     cid = f"cmpl-{secrets.token_hex(12)}"
     base = {"id": cid, "object": "text_completion", "created": gen.created, "model": agent.name,
             "system_fingerprint": _fingerprint(state)}
