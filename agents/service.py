@@ -54,6 +54,7 @@ class RuntimeOptions:
     model: str = "default"
     dtype: str | None = None  # None: chosen per device
     kv_dtype: str | None = None  # None: the compute dtype; "int8"
+    precision: str | None = None  # "float" | "w8a8"; None: chosen per device (core.device.choose_precision)
     num_slots: int = 8
     max_len: int = 8192
     chunk_sizes: tuple[int, ...] = (32, 128, 512)
@@ -79,6 +80,8 @@ class Runtime:
     model_name: str
     dtype: str
     dtype_reason: str = ""
+    precision: str = "float"
+    precision_reason: str = ""
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
     _started: bool = field(default=False, repr=False)
@@ -115,6 +118,7 @@ class Runtime:
         return {
             "model": self.model_name,
             "dtype": self.dtype,
+            "precision": self.precision,
             "kv_dtype": self.kv_dtype,
             "slots": str(self.num_slots),
             "max_len": str(self.max_len),
@@ -129,6 +133,8 @@ def assemble_runtime(
     *,
     model_name: str = "custom",
     dtype_reason: str = "",
+    precision: str = "float",
+    precision_reason: str = "",
     load_seconds: float = 0.0,
     progress: Progress | None = None,
 ) -> Runtime:
@@ -161,7 +167,8 @@ def assemble_runtime(
     return Runtime(
         engine=engine, scheduler=scheduler, tokenizer=tokenizer, compiler=compiler,
         template=ChatTemplate(tokenizer), model_name=model_name, dtype=engine.dtype,
-        dtype_reason=dtype_reason, load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
+        dtype_reason=dtype_reason, precision=precision, precision_reason=precision_reason,
+        load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
     )
 
 
@@ -175,7 +182,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
         enable_compile_cache(options.compile_cache)
     if progress:
         progress(f"loading model {options.model}")
-    model = load_model(options.model, dtype=options.dtype,
+    model = load_model(options.model, dtype=options.dtype, precision=options.precision,
                        progress=(lambda done, total: progress(f"loading weights [{done}/{total}]"))
                        if progress else None)
     engine = Engine(model.cfg, model.params,
@@ -184,11 +191,13 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
                     model.dtype)
     if progress:
         progress(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}), "
-                 f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB; weights {model.dtype} "
-                 f"({model.dtype_reason})")
+                 f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB; compute {model.dtype} "
+                 f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})")
     engine.warmup((lambda name, done, total: progress(f"compiling [{done}/{total}] {name}")) if progress else None)
     return assemble_runtime(engine, model.tokenizer, options, model_name=str(options.model),
-                            dtype_reason=model.dtype_reason, load_seconds=model.load_seconds, progress=progress)
+                            dtype_reason=model.dtype_reason, precision=model.precision,
+                            precision_reason=model.precision_reason, load_seconds=model.load_seconds,
+                            progress=progress)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -194,6 +194,18 @@ def build_model(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             "raw_config": raw, "seconds": time.perf_counter() - begin}
 
 
+def with_precision(model: dict[str, Any], precision: str) -> dict[str, Any]:
+    if precision == "float":
+        return model
+    if precision != "w8a8":
+        raise SystemExit(f"unknown precision {precision!r}")
+    from core.weights import to_w8a8
+
+    begin = time.perf_counter()
+    return {**model, "params": to_w8a8(model["params"]), "source": model["source"] + ", W8A8",
+            "seconds": model["seconds"] + time.perf_counter() - begin}
+
+
 # ---- measurements --------------------------------------------------------------------------------------
 
 def memory_snapshot() -> dict[str, Any]:
@@ -390,7 +402,7 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
 def measure(args: argparse.Namespace, engines: list[Any], results: list[dict[str, Any]], save: Any) -> None:
     import jax
 
-    labels = [f"{r['dtype']}/{r['kv_dtype']} KV" for r in results]
+    labels = [f"{r['dtype']}/{r['kv_dtype']} KV/{r.get('precision', 'float')}" for r in results]
     for result in results:
         result["decode"] = []
         result["decode_note"] = CONTEXT_NOTE
@@ -479,6 +491,8 @@ def default_out(args: argparse.Namespace, backend: str) -> Path:
         parts.append(f"L{args.layers}")
     if args.compare:
         parts.append("compare")
+    if args.precision != ["float"]:
+        parts.append("-".join(args.precision))
     return RESULTS / ("-".join(parts) + ".json")
 
 
@@ -488,7 +502,7 @@ def compare_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     base = runs[0]
     rows = []
     for run in runs:
-        row: dict[str, Any] = {"variant": f"{run['dtype']}/{run['kv_dtype']}"}
+        row: dict[str, Any] = {"variant": f"{run['dtype']}/{run['kv_dtype']}/{run.get('precision', 'float')}"}
         row["bytes_per_slot"] = round(run["bytes_per_slot"] / base["bytes_per_slot"], 3)
         row["param_bytes"] = round(run["param_bytes"] / base["param_bytes"], 3)
         row["compile_seconds"] = round(run["compile_seconds"] / base["compile_seconds"], 2)
@@ -518,6 +532,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=8192, help="positions per slot (default 8192)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: core.device.choose_dtype)")
     p.add_argument("--kv-dtype", default=None, help='"int8" or a float dtype (default: the compute dtype)')
+    p.add_argument("--precision", default="float",
+                   help="weight precision(s), comma-separated: float, w8a8 (several: timed round robin, "
+                        "ratios against the first)")
     p.add_argument("--chunk-sizes", default="32,128,512", help="prefill chunk sizes (default 32,128,512)")
     p.add_argument("--contexts", default="512,4096",
                    help="decode positions (default 512,4096); clamped below max_len (the cost does not depend on it)")
@@ -544,6 +561,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.chunk_sizes = tuple(int(x) for x in args.chunk_sizes.split(","))
     args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
     if args.config:
         args.random_weights = True
     if args.kv_dtype in ("plain", "none", "compute"):
@@ -577,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         compute, reason = choose_dtype(args.dtype)
         kv = None if args.kv_dtype == compute else args.kv_dtype
         variants = [(compute, kv)]
+    variants = [(dtype, kv, precision) for precision in args.precision for dtype, kv in variants]
     out = Path(args.out) if args.out else default_out(args, backend)
     report: dict[str, Any] = {"meta": metadata(args, compute, reason), "runs": []}
 
@@ -587,19 +606,21 @@ def main(argv: list[str] | None = None) -> int:
     log(f"backend {backend} ({jax.devices()[0].device_kind}), writing {out}")
     models: dict[str, dict[str, Any]] = {}
     engines = []
-    for dtype, kv_dtype in variants:
+    for dtype, kv_dtype, precision in variants:
         if dtype not in models:
             log(f"building the model in {dtype}")
             models[dtype] = build_model(args, dtype)
             if models[dtype]["raw_config"] is not None:
                 report["meta"]["config"] = models[dtype]["raw_config"]
-        result: dict[str, Any] = {"dtype": dtype, "kv_dtype": kv_dtype or dtype}
+        if (dtype, precision) not in models:
+            models[dtype, precision] = with_precision(models[dtype], precision)
+        result: dict[str, Any] = {"dtype": dtype, "kv_dtype": kv_dtype or dtype, "precision": precision}
         report["runs"].append(result)
-        engines.append(setup_variant(args, dtype, kv_dtype, models[dtype], result))
+        engines.append(setup_variant(args, dtype, kv_dtype, models[dtype, precision], result))
         save()
     measure(args, engines, report["runs"], save)
-    if args.compare:
-        report["ratios_vs_float32_plain"] = compare_ratios(report["runs"])
+    if len(report["runs"]) > 1:
+        report["ratios_vs_float32_plain" if args.compare else "ratios_vs_first"] = compare_ratios(report["runs"])
         report["meta"]["note"] = (
             "all variants are alive at once and timed step by step in turn (round robin); ratios are time "
             "(or size) over float32 / plain KV; memory figures are process-wide (cumulative over variants)")

@@ -411,6 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="server YAML (default: configs/default.yaml)")
     p.add_argument("--model", default=None, help="override the config's model")
+    p.add_argument("--precision", default=None, help="override the config's precision (float | w8a8)")
     p.add_argument("--slots", type=int, default=8, help="KV slots S (default 8)")
     p.add_argument("--max-len", type=int, default=2048,
                    help="positions per slot (default 2048, not the config's 8192: CPU compile and step stay modest)")
@@ -489,6 +490,8 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
                                  "limits.max_tokens": None, "server.log_level": "warning"}
     if args.model:
         overrides["model.name"] = args.model
+    if args.precision:
+        overrides["model.precision"] = args.precision
     config = load_config(args.config, overrides)
     configure_logging("warning", True)
     record["config"] = {"file": args.config or "configs/default.yaml", "overrides": overrides,
@@ -498,6 +501,7 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
     runtime = build_runtime(config.runtime_options(), progress=log)
     runtime.start()
     record["runtime"] = {**runtime.info(), "dtype_reason": runtime.dtype_reason,
+                         "precision_reason": runtime.precision_reason,
                          "build_s": round(time.perf_counter() - begin, 1)}
     app = create_app(config, runtime=runtime)
     server = LiveServer(app).start()

@@ -8,8 +8,9 @@
   W8A8 argmax equals the float32 argmax. Feeding both the same tokens keeps one early difference from
   making every later position incomparable. The free-running figure (length of the common greedy prefix)
   is reported too.
-- Perplexity of both on a fixed text of up to 4096 tokens (the repository's own docs, repeated if short),
-  in 512-token chunks through one slot.
+- Perplexity of both on a fixed text of 4096 scored tokens: Python's own help topics (`pydoc_data.topics`,
+  every topic in name order; `core.quality.reference_text`), which ship with the interpreter and do not change
+  with this repository, in 512-token chunks through one slot; also the top-1 agreement on that text.
 - Decode step time of the 8-slot step, the two precisions interleaved step by step.
 """
 
@@ -37,50 +38,11 @@ PROMPTS = [
 ]
 
 
-def text_tokens(tokenizer, n: int) -> list[int]:
-    text = "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/design-notes.md", "benchmarks/README.md"))
-    ids = tokenizer.encode(text)
-    while len(ids) < n:
-        ids = ids + ids
-    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids[: n - 1]
-
-
-def perplexity(cfg, params, ids, chunk: int = 512) -> float:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from core.kv_cache import CacheSpec, init_cache
-    from core.model import forward
-
-    def step(params, cache, tokens, starts, targets):
-        logits, cache = forward(params, cache, tokens, starts, jnp.full(1, tokens.shape[1], jnp.int32),
-                                jnp.zeros(1, jnp.int32), cfg=cfg, all_slots=True, logits_mode="all")
-        logp = jax.nn.log_softmax(logits[0], axis=-1)
-        return jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], cache
-
-    fn = jax.jit(step, donate_argnums=(1,))
-    cache = init_cache(cfg, CacheSpec(1, len(ids)))
-    total, count = 0.0, 0
-    ids = np.asarray(ids, np.int32)
-    for start in range(0, len(ids) - 1, chunk):
-        tokens = ids[start:start + chunk]
-        if len(tokens) < chunk:
-            break
-        targets = ids[start + 1:start + chunk + 1]
-        lp, cache = fn(params, cache, jnp.asarray(tokens[None]), jnp.full(1, start, jnp.int32),
-                       jnp.asarray(np.pad(targets, (0, chunk - len(targets)))))
-        lp = np.asarray(lp)[: len(targets)]
-        total -= float(lp.sum())
-        count += len(targets)
-    return float(np.exp(total / count)), count
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="default")
     parser.add_argument("--steps", type=int, default=128)
-    parser.add_argument("--ppl-tokens", type=int, default=4096)
+    parser.add_argument("--ppl-tokens", type=int, default=4096, help="tokens scored (in 512-token chunks)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/quality-cpu.json"))
     args = parser.parse_args(argv)
 
@@ -89,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from core.device import enable_compile_cache
     from core.engine import Engine, EngineConfig
+    from core.quality import REFERENCE_TEXT, perplexity, reference_tokens, score
     from core.runtime import load_model
     from core.weights import param_bytes, to_w8a8
 
@@ -151,13 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     del engines
     print(json.dumps(result, indent=2), file=sys.stderr)
 
-    ids = text_tokens(tok, args.ppl_tokens)
-    ppl = {}
-    for k, p in variants.items():
-        ppl[k], n = perplexity(cfg, p, ids)
-    result["perplexity"] = {"text": "README.md + docs/design-notes.md + benchmarks/README.md", "tokens_scored": n,
+    ids = reference_tokens(tok, args.ppl_tokens + 1)
+    scored = {k: score(cfg, p, ids) for k, p in variants.items()}
+    ppl = {k: perplexity(lp) for k, (lp, _) in scored.items()}
+    result["perplexity"] = {"text": REFERENCE_TEXT, "python": sys.version.split()[0],
+                            "tokens_scored": len(scored["f32"][0]),
                             **{k: round(v, 4) for k, v in ppl.items()},
-                            "relative_change": round(ppl["w8a8"] / ppl["f32"] - 1, 4)}
+                            "relative_change": round(ppl["w8a8"] / ppl["f32"] - 1, 4),
+                            "teacher_forced_top1_agreement_on_text": round(
+                                float(np.mean(scored["w8a8"][1] == scored["f32"][1])), 4)}
     print(json.dumps(result, indent=2))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -15,6 +15,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DTYPE_ENV = "SLOTSERVE_DTYPE"
+PRECISION_ENV = "SLOTSERVE_PRECISION"
+PRECISION_ALIASES = {"float": "float", "f32": "float", "w8a8": "w8a8"}
 CACHE_ENV = "SLOTSERVE_CACHE_DIR"
 VALID_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -68,6 +70,25 @@ def choose_dtype(override: str | None = None) -> tuple[str, str]:
     if device.platform == "tpu":
         return "bfloat16", "TPU"
     return _measure_cpu_dtype()
+
+
+def choose_precision(override: str | None = None) -> tuple[str, str]:
+    """How the weight matrices run ("float" or "w8a8") and why: explicit override, environment, device.
+
+    On CPU, W8A8 (int8 x int8 -> int32 with rotated inputs, core.rotation) halves the decode step and more
+    than doubles prefill against float32, within the quality gates (benchmarks/quality.py: greedy agreement
+    >= 90%, perplexity within 2%). Accelerators run bfloat16 natively, so they keep the float path."""
+    import jax
+
+    choice = override or os.environ.get(PRECISION_ENV)
+    if choice:
+        if choice not in PRECISION_ALIASES:
+            raise ValueError(f"precision {choice!r} is not one of {sorted(PRECISION_ALIASES)}")
+        return PRECISION_ALIASES[choice], "override" if override else f"${PRECISION_ENV}"
+    platform = jax.devices()[0].platform
+    if platform == "cpu":
+        return "w8a8", "CPU: int8 matmuls are ~2x float32 here, within the quality gates"
+    return "float", f"{platform}: native low-precision float"
 
 
 def _measure_cpu_dtype() -> tuple[str, str]:

@@ -33,12 +33,30 @@ class EngineConfig:
     max_len: int = 8192
     chunk_sizes: tuple[int, ...] = (32, 128, 512)
     kv_dtype: str | None = None  # None: the compute dtype; "int8": quantized with per-position scales
+    # Decode programs by how far the global layers attend: each attends over cache positions [0, bucket),
+    # the smallest bucket that covers every active slot. None: powers of two from 1024 up to max_len;
+    # (): one program over max_len.
+    decode_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
             raise ValueError("num_slots and max_len must be positive")
         if not self.chunk_sizes or sorted(set(self.chunk_sizes)) != list(self.chunk_sizes):
             raise ValueError("chunk_sizes must be a non-empty strictly increasing tuple")
+        if self.decode_buckets and (sorted(set(self.decode_buckets)) != list(self.decode_buckets)
+                                    or self.decode_buckets[0] < 1 or self.decode_buckets[-1] > self.max_len):
+            raise ValueError("decode_buckets must be strictly increasing lengths within max_len")
+
+    def attention_buckets(self) -> tuple[int, ...]:
+        """The decode programs' attention lengths, ending with max_len."""
+        if self.decode_buckets is None:
+            sizes, size = [], 1024
+            while size < self.max_len:
+                sizes.append(size)
+                size *= 2
+        else:
+            sizes = [b for b in self.decode_buckets if b < self.max_len]
+        return (*sizes, self.max_len)
 
 
 @dataclass
@@ -80,7 +98,10 @@ class Engine:
         self._prefill_fns = {
             size: jax.jit(partial(_prefill_step, cfg=cfg), donate_argnums=(1,)) for size in config.chunk_sizes
         }
-        self._decode_fn = jax.jit(partial(_decode_step, cfg=cfg), donate_argnums=(1,))
+        self.buckets = config.attention_buckets()
+        self._decode_fns = {
+            size: jax.jit(partial(_decode_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
+        }
         self._read_slot_fn = jax.jit(_read_slot)
         self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
         self._copy_fn = jax.jit(partial(_copy_prefix, cfg=cfg), donate_argnums=(0,))
@@ -115,7 +136,9 @@ class Engine:
         ]
         zeros = np.zeros(self.num_slots, np.int32)
         idle = np.zeros(self.num_slots, bool)
-        jobs.append(("decode step", partial(self.decode, zeros, zeros, idle)))
+        for size in self.buckets:  # position size-1 selects that bucket; idle slots write nothing there
+            at = np.full(self.num_slots, size - 1, np.int32)
+            jobs.append((f"decode step (attends {size})", partial(self.decode, zeros, at, idle)))
         no_mask = np.full((self.num_slots, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
         logits = jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32)
         for needs_full in (False, True):
@@ -186,8 +209,14 @@ class Engine:
         Returns logits [S, V] (device)."""
         packed = np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
                            np.asarray(active, np.int32)])
-        logits, self.cache = self._decode_fn(self.params, self.cache, packed, self.slot_ids)
+        logits, self.cache = self._decode_fns[self.bucket_for(packed[1])](self.params, self.cache, packed,
+                                                                           self.slot_ids)
         return logits
+
+    def bucket_for(self, positions: np.ndarray) -> int:
+        """The smallest attention bucket holding every position (idle slots sit at 0 or below the top)."""
+        top = int(np.max(positions)) + 1
+        return next((size for size in self.buckets if size >= top), self.buckets[-1])
 
     # ---- sampling -------------------------------------------------------------------------------
     def begin_request(self, slot: int, params: SamplingParams, prompt_ids: list[int] | np.ndarray, seed: int) -> None:
@@ -275,10 +304,10 @@ def _prefill_step(params, cache, tokens, ints, *, cfg: ModelConfig):
     return forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False, logits_mode="last")
 
 
-def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig):
+def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig, attend: int):
     tokens, positions, active = packed[0], packed[1], packed[2]
     return forward(params, cache, tokens[:, None], positions, active, slot_ids,
-                   cfg=cfg, all_slots=True, logits_mode="last")
+                   cfg=cfg, all_slots=True, logits_mode="last", attend=attend)
 
 
 def _sample_row(logits, state: SamplerState, slot, step, mask):

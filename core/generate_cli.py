@@ -50,7 +50,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     specs = _prompt_specs(args)
     enable_compile_cache(args.compile_cache)
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype, precision=args.precision)
     tok = model.tokenizer
     requests = []
     for spec in specs:
@@ -73,7 +73,8 @@ def run_generate(args: argparse.Namespace) -> int:
     per_slot = engine.bytes_per_slot
     print(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}), "
           f"{per_slot / 2**20:.1f} MiB per slot, {per_slot * engine.num_slots / 2**20:.1f} MiB in total; "
-          f"weights {model.param_bytes / 2**20:.0f} MiB {model.dtype} ({model.dtype_reason})", file=sys.stderr)
+          f"weights {model.param_bytes / 2**20:.0f} MiB {model.dtype} ({model.dtype_reason}), "
+          f"precision {model.precision}", file=sys.stderr)
     engine.warmup(_stderr_progress("compiling"))
     begin = time.perf_counter()
     results = generate(engine, requests, frozenset(tok.stop_ids))

@@ -21,6 +21,7 @@ import numpy as np
 
 from core.config import ModelConfig
 from core.kv_cache import KVCache, layer_key
+from core.rotation import rotate
 
 Params = dict[str, Any]
 MASK_VALUE = -1e30  # finite: a fully masked (padding / idle) row yields a uniform softmax, never NaN
@@ -37,10 +38,11 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, w: Any) -> jax.Array:
     """x [..., in] @ w [out, in]^T. `w` may be int8 storage {"q": int8 [out, in], "s": f32 [out]}
-    (weight-only: dequantized into the float product), or W8A8 storage {"qa8": int8 [out, in], "s": f32 [out]}:
-    x is then quantized per row (symmetric, scale max|x|/127) and contracted int8 x int8 -> int32."""
+    (weight-only: dequantized into the float product), or W8A8 storage {"qa8": int8 [out, in], "s": f32 [out]}
+    holding W @ R (core.rotation): x is rotated by R, quantized per row (symmetric, scale max|x|/127) and
+    contracted int8 x int8 -> int32."""
     if isinstance(w, dict) and "qa8" in w:
-        x8, x_scale = quantize_int8(x)  # [..., in] int8, [...] f32
+        x8, x_scale = quantize_int8(rotate(x.astype(jnp.float32)))  # [..., in] int8, [...] f32
         acc = jax.lax.dot_general(x8, w["qa8"], (((x.ndim - 1,), (1,)), ((), ())),
                                   preferred_element_type=jnp.int32)
         y = acc.astype(jnp.float32) * (x_scale[..., None] * w["s"].astype(jnp.float32))
@@ -60,8 +62,11 @@ def embedding_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
         low = (packed & 0xF).astype(jnp.int8) - 8
         high = (packed >> 4).astype(jnp.int8) - 8
         q = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    elif "qa8" in table:  # W8A8 rows are gathered too; they are stored rotated (see linear)
+        q = jnp.take(table["qa8"], ids, axis=0).astype(jnp.float32) * jnp.take(table["s"], ids, axis=0)[..., None]
+        return rotate(q, inverse=True).astype(dtype)
     else:
-        q = jnp.take(table["q"] if "q" in table else table["qa8"], ids, axis=0)  # W8A8 rows are gathered too
+        q = jnp.take(table["q"], ids, axis=0)
     return q.astype(dtype) * jnp.take(table["s"], ids, axis=0)[..., None].astype(dtype)
 
 
@@ -181,6 +186,7 @@ def forward(
     cfg: ModelConfig,
     all_slots: bool,
     logits_mode: str,
+    attend: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T tokens per row through the model, reading and then extending each row's slot cache.
 
@@ -189,6 +195,8 @@ def forward(
     each row. all_slots: B equals the pool size and slots is arange(S), so the cache is used as is.
     logits_mode: "all" -> [B, T, V]; "last" -> [B, V] at each row's last real token;
     "hidden" -> the final normed hidden states [B, T, H].
+    attend: global layers read only cache positions [0, attend) (every row's positions must lie below it),
+    so a decode step's cost follows the longest active context, not max_len.
     """
     b, t = tokens.shape
     dtype = params["final_norm"].dtype  # the compute dtype
@@ -226,6 +234,8 @@ def forward(
                 cache = write_chunk(cache, {layer.index: (k, v)}, cfg, positions, n_valid, slots)
         entry = cache[layer_key(layer.kv_source)]
         cached = entry if all_slots else {name: arr[slots] for name, arr in entry.items()}
+        if attend is not None and not layer.is_sliding and attend < entry["k"].shape[1]:
+            cached = {name: arr[:, :attend] for name, arr in cached.items()}
         attn = attention(
             q, cached, positions, starts, (*new_kv[layer.kv_source], n_valid),
             window=cfg.sliding_window if layer.is_sliding else None,

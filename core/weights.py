@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.config import ModelConfig, expected_tensor_shapes
+from core.rotation import rotate
 
 if TYPE_CHECKING:  # the loaders pull in gguf, which random-weight benchmarks on bare machines lack
     from core.loaders import CheckpointSource
@@ -64,8 +65,8 @@ class WeightPolicy:
     int8_matrices: bool = False  # big matrices as int8 with per-row scales
     int4_ple: bool = False  # the per-layer-embedding table as packed int4 with per-row scales
     # "float": matrices as stored (or int8 weight-only with int8_matrices); "w8a8": the INT8_TARGETS
-    # matrices as int8 with per-row scales under the key "qa8", which linear() runs with per-token int8
-    # activations (int8 x int8 -> int32); embedding lookups still gather and dequantize rows.
+    # matrices, rotated (core.rotation), as int8 with per-row scales under the key "qa8", which linear() runs
+    # with per-token int8 activations (int8 x int8 -> int32); embedding lookups gather, dequantize and unrotate.
     precision: str = "float"
 
     def __post_init__(self) -> None:
@@ -78,6 +79,12 @@ def quantize_rows_int8(w: np.ndarray) -> dict[str, np.ndarray]:
     scale = np.abs(w).max(axis=1) / 127.0
     q = np.clip(np.round(w / np.where(scale == 0, 1.0, scale)[:, None]), -127, 127).astype(np.int8)
     return {"q": q, "s": scale.astype(np.float32)}
+
+
+def quantize_w8a8(w: np.ndarray) -> dict[str, np.ndarray]:
+    """W8A8 storage: the rows of W @ R (core.rotation) as int8 with per-row scales."""
+    q = quantize_rows_int8(rotate(w.astype(np.float32), xp=np))
+    return {"qa8": q["q"], "s": q["s"]}
 
 
 def quantize_rows_int4(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -144,8 +151,7 @@ def _place(array: np.ndarray, key: str, name: str, cfg: ModelConfig, policy: Wei
     if key == "embed_per_layer" and policy.int4_ple:
         return jax.device_put(quantize_rows_int4(array))
     if key in INT8_TARGETS and policy.precision == "w8a8":
-        q = quantize_rows_int8(array)
-        return jax.device_put({"qa8": q["q"], "s": q["s"]})
+        return jax.device_put(quantize_w8a8(array))
     if key in INT8_TARGETS and policy.int8_matrices:
         return jax.device_put(quantize_rows_int8(array))
     if array.dtype != dtype:
@@ -181,8 +187,7 @@ def to_w8a8(params: dict[str, Any]) -> dict[str, Any]:
         out = {}
         for key, value in tree.items():
             if key in INT8_TARGETS and value is not None and not isinstance(value, dict):
-                q = quantize_rows_int8(np.asarray(value, dtype=np.float32))
-                value = jax.device_put({"qa8": q["q"], "s": q["s"]})
+                value = jax.device_put(quantize_w8a8(np.asarray(value, dtype=np.float32)))
             out[key] = value
         return out
 

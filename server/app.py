@@ -279,10 +279,12 @@ def _load(state: ServerState) -> None:
             max_tokens_limit=limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens,
         )
         state.runtime = runtime
-        state.metrics.set_model_info({**runtime.info(), "dtype_reason": runtime.dtype_reason})
+        state.metrics.set_model_info({**runtime.info(), "dtype_reason": runtime.dtype_reason,
+                                      "precision_reason": runtime.precision_reason})
         state.status = "ready"
         state.ready.set()
         progress(f"ready in {time.perf_counter() - begin:.1f} s ({runtime.model_name}, {runtime.dtype}, "
+                 f"precision {runtime.precision}, "
                  f"{runtime.num_slots} slots x {runtime.max_len})")
     except BaseException as e:  # noqa: BLE001 - reported by /ready, the process stays up for diagnosis
         state.load_error = f"{type(e).__name__}: {e}"
@@ -625,7 +627,7 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
 
 def _fingerprint(state: ServerState) -> str:
     rt = state.runtime
-    return f"slotserve-{rt.dtype}-{rt.kv_dtype}" if rt is not None else "slotserve"
+    return f"slotserve-{rt.dtype}-{rt.precision}-{rt.kv_dtype}" if rt is not None else "slotserve"
 
 
 async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, cid: str, include_usage: bool,

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="port (default: the config's, 8000)")
     serve.add_argument("--redis-url", default=None, help="store sessions and agents in Redis (redis://host:port/db)")
     serve.add_argument("--model", default=None, help="override the config's model ('default', a directory, a .gguf)")
+    serve.add_argument("--precision", default=None, choices=("float", "f32", "w8a8"),
+                       help="override the config's weight precision (default: by device)")
 
     tok = sub.add_parser("tokenize", help="print the token ids of a text (no special tokens added)")
     tok.add_argument("--model", default="default")
@@ -62,6 +64,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=8192, help="positions per slot")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: by device)")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: the compute dtype or int8")
+    parser.add_argument("--precision", default="float", choices=("float", "f32", "w8a8"),
+                        help="weight matrices: float (the reference, default) or w8a8 (int8 weights and activations)")
     parser.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory")
 
 

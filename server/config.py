@@ -22,6 +22,7 @@ class ModelSection(_Section):
     name: str = "default"  # "default", an HF checkpoint directory or a .gguf file
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: chosen per device
     kv_dtype: str | None = None  # None: the compute dtype; "int8"
+    precision: Literal["float", "f32", "w8a8"] | None = None  # None: chosen per device
     slots: int = Field(8, ge=1)
     max_len: int = Field(8192, ge=16)
     chunk_sizes: list[int] = Field(default_factory=lambda: [32, 128, 512], min_length=1)
@@ -101,7 +102,8 @@ class ServerConfig(_Section):
     def runtime_options(self) -> RuntimeOptions:
         m, s, g = self.model, self.scheduler, self.grammar
         return RuntimeOptions(
-            model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, num_slots=m.slots, max_len=m.max_len,
+            model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, precision=m.precision, num_slots=m.slots,
+            max_len=m.max_len,
             chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache, prefill_budget=s.prefill_budget,
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, host_tier_bytes=s.host_tier_bytes,
             grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,

@@ -22,6 +22,8 @@ def run_serve(args: argparse.Namespace) -> int:
         overrides["store.url"] = args.redis_url
     if getattr(args, "model", None):
         overrides["model.name"] = args.model
+    if getattr(args, "precision", None):
+        overrides["model.precision"] = args.precision
     try:
         config = load_config(args.config, overrides)
     except ConfigError as e:

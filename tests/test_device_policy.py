@@ -59,3 +59,27 @@ def test_persistent_compile_cache_serves_a_restarted_process(tmp_path):
     assert any(tmp_path.iterdir())
     assert int(runs[0].stdout.strip()) == 0
     assert int(runs[1].stdout.strip()) >= 1
+
+
+def test_precision_defaults_to_w8a8_on_cpu_and_can_be_overridden(monkeypatch):
+    from core.device import choose_precision
+
+    monkeypatch.delenv("SLOTSERVE_PRECISION", raising=False)
+    precision, reason = choose_precision()
+    assert precision == "w8a8" and reason.startswith("CPU")
+    assert choose_precision("f32") == ("float", "override")
+    assert choose_precision("float") == ("float", "override")
+    monkeypatch.setenv("SLOTSERVE_PRECISION", "float")
+    assert choose_precision() == ("float", "$SLOTSERVE_PRECISION")
+    with pytest.raises(ValueError, match="w4a4"):
+        choose_precision("w4a4")
+
+
+def test_server_config_takes_the_precision():
+    from server.config import ConfigError, load_config
+
+    assert load_config().runtime_options().precision is None  # chosen per device
+    assert load_config(overrides={"model.precision": "w8a8"}).runtime_options().precision == "w8a8"
+    assert load_config(overrides={"model.precision": "f32"}).runtime_options().precision == "f32"
+    with pytest.raises(ConfigError, match="precision"):
+        load_config(overrides={"model.precision": "int4"})

@@ -19,6 +19,7 @@ from tiny_models import WINDOW, model_config
 W = WINDOW
 CHUNKS = (4, 8, 16)
 SLOTS = 3
+BUCKETS = (16, 32, 64)
 FAMILIES = ("gemma3", "gemma4")
 
 
@@ -26,7 +27,10 @@ FAMILIES = ("gemma3", "gemma4")
 def setup(request, compile_cache):
     cfg = model_config(request.param)
     params = random_params(cfg, std=0.1, norm_std=0.1, seed=3)
-    engine = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS), "float32")
+    # Decode programs attending over 16, 32, 64 and 96 positions: the decode steps of every test below cross
+    # those bucket boundaries (and the ring's), and must equal one full forward all the same.
+    engine = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS,
+                                              decode_buckets=BUCKETS), "float32")
     engine.warmup()
     full = jax.jit(partial(forward, cfg=cfg, all_slots=True, logits_mode="all"))
 
@@ -72,6 +76,20 @@ def test_chunked_prefill_then_decode_across_ring_equals_full_forward(setup, n):
             got.append(one_slot_step(engine, slot, int(ids[t]), t))
         np.testing.assert_allclose(np.stack(got), expected[n - 1:], atol=1e-4, rtol=0,
                                    err_msg=f"length {n}, split at {split}")
+
+
+def test_decode_bucket_is_the_smallest_covering_every_position(setup):
+    _, engine, _ = setup
+    assert engine.buckets == (16, 32, 64, 96)
+    assert engine.bucket_for(np.array([0, 15, 3])) == 16
+    assert engine.bucket_for(np.array([0, 16, 3])) == 32
+    assert engine.bucket_for(np.array([95, 0, 0])) == 96
+    assert EngineConfig(max_len=8192).attention_buckets() == (1024, 2048, 4096, 8192)
+    assert EngineConfig(max_len=3000).attention_buckets() == (1024, 2048, 3000)
+    assert EngineConfig(max_len=512).attention_buckets() == (512,)
+    assert EngineConfig(max_len=8192, decode_buckets=()).attention_buckets() == (8192,)
+    with pytest.raises(ValueError, match="decode_buckets"):
+        EngineConfig(max_len=64, decode_buckets=(32, 16))
 
 
 def test_plan_chunks_covers_exactly_with_fixed_sizes(setup):

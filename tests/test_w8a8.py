@@ -18,23 +18,28 @@ from test_weight_storage import ArraySource
 import core.model as model
 from core.engine import Engine, EngineConfig
 from core.kv_cache import CacheSpec, init_cache
-from core.weights import WeightPolicy, load_params, quantize_rows_int8, random_params, to_w8a8
+from core.rotation import factors, rotate
+from core.weights import WeightPolicy, load_params, quantize_rows_int8, quantize_w8a8, random_params, to_w8a8
 from tiny_models import model_config
 
 
 def numpy_w8a8(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Per-token symmetric int8 x, per-row int8 w, integer dot products, then both scales."""
-    x = x.astype(np.float32)
+    """Both rotated by R, per-token symmetric int8 x, per-row int8 w, integer dot products, then both scales."""
+    x = rotate(x.astype(np.float32), xp=np)
     x_scale = np.abs(x).max(axis=-1) / np.float32(127.0)
     x8 = np.clip(np.round(x / np.where(x_scale == 0, 1.0, x_scale)[..., None]), -127, 127).astype(np.int32)
-    q = quantize_rows_int8(w)
+    q = quantize_rows_int8(w @ rotation_matrix(w.shape[1]))
     acc = x8 @ q["q"].astype(np.int32).T  # exact in int32
     return acc.astype(np.float32) * (x_scale[..., None] * q["s"][None, :])
 
 
+def rotation_matrix(n: int) -> np.ndarray:
+    q, h1, h2 = factors(n)
+    return np.kron(np.kron(q, h1), h2)
+
+
 def w8a8_weight(w: np.ndarray) -> dict[str, jax.Array]:
-    q = quantize_rows_int8(w)
-    return {"qa8": jnp.asarray(q["q"]), "s": jnp.asarray(q["s"])}
+    return {k: jnp.asarray(v) for k, v in quantize_w8a8(w).items()}
 
 
 @pytest.mark.parametrize("shape", [(5, 48), (2, 3, 48), (8, 1, 48)])
@@ -49,6 +54,38 @@ def test_w8a8_linear_equals_integer_reference(shape):
     assert got.shape == (*shape[:-1], 40)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert np.all(got[0] == 0)
+
+
+@pytest.mark.parametrize("n", [7, 48, 640, 1024, 1536, 2048, 12288])
+def test_rotation_is_the_orthogonal_kronecker_product_and_inverts(n):
+    r = rotation_matrix(n)
+    np.testing.assert_allclose(r @ r.T, np.eye(n), atol=1e-5)
+    x = np.random.default_rng(n).standard_normal((2, 3, n)).astype(np.float32)
+    np.testing.assert_allclose(rotate(x, xp=np), x @ r, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(rotate(jnp.asarray(x))), x @ r, atol=1e-4)
+    np.testing.assert_allclose(rotate(rotate(x, xp=np), inverse=True, xp=np), x, atol=1e-5)
+
+
+def test_rotation_spreads_an_outlier_channel():
+    """Why it exists: one huge channel sets a per-token scale that leaves the others a few grid steps."""
+    x = np.random.default_rng(0).standard_normal((64, 640)).astype(np.float32)
+    x[:, 17] = 300.0
+    w = np.random.default_rng(1).standard_normal((32, 640)).astype(np.float32) * 0.05
+    exact = x @ w.T
+    plain = np.asarray(model.linear(jnp.asarray(x), {"q": jnp.asarray(quantize_rows_int8(w)["q"]),
+                                                      "s": jnp.asarray(quantize_rows_int8(w)["s"])}))
+    rotated = np.asarray(model.linear(jnp.asarray(x), w8a8_weight(w)))
+    x8, scale = model.quantize_int8(jnp.asarray(x))  # the unrotated per-token grid, for the comparison
+    unrotated = (np.asarray(x8, np.float32) * np.asarray(scale)[:, None]) @ w.T
+    assert np.abs(rotated - exact).mean() < 0.25 * np.abs(unrotated - exact).mean()
+    assert np.abs(plain - exact).mean() < np.abs(unrotated - exact).mean()
+
+
+def test_w8a8_embedding_rows_unrotate_to_the_table():
+    table = np.random.default_rng(2).standard_normal((50, 640)).astype(np.float32)
+    ids = jnp.asarray([[3, 49, 0]])
+    rows = np.asarray(model.embedding_rows(w8a8_weight(table), ids, jnp.float32))
+    np.testing.assert_allclose(rows, table[np.asarray(ids)], atol=0.02 * np.abs(table).max())
 
 
 def test_float_path_is_unchanged():
@@ -68,7 +105,7 @@ def fake_quant_linear(x: jax.Array, w) -> jax.Array:
     a rounding boundary now and then, and a random tiny model amplifies that one-step change to ~1e-2."""
     if isinstance(w, dict) and "qa8" in w:
         assert x.shape[-1] * 127**2 < 2**24
-        x8, x_scale = model.quantize_int8(x)
+        x8, x_scale = model.quantize_int8(rotate(x.astype(jnp.float32)))
         grid = jnp.einsum("...i,oi->...o", x8.astype(jnp.float32), w["qa8"].astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)
         return (grid * (x_scale[..., None] * w["s"])).astype(x.dtype)
