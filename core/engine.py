@@ -37,6 +37,10 @@ class EngineConfig:
     # the smallest bucket that covers every active slot. None: powers of two from 1024 up to max_len;
     # (): one program over max_len.
     decode_buckets: tuple[int, ...] | None = None
+    # Speculative verification width for a lone greedy stream: the last token plus up to width-1 drafted ones,
+    # checked in one pass over one slot. None: num_slots (the token rows of one decode step, so a verify
+    # costs about one step); 0: no verify program.
+    verify_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
@@ -46,6 +50,10 @@ class EngineConfig:
         if self.decode_buckets and (sorted(set(self.decode_buckets)) != list(self.decode_buckets)
                                     or self.decode_buckets[0] < 1 or self.decode_buckets[-1] > self.max_len):
             raise ValueError("decode_buckets must be strictly increasing lengths within max_len")
+
+    @property
+    def verify_tokens(self) -> int:
+        return self.num_slots if self.verify_width is None else self.verify_width
 
     def attention_buckets(self) -> tuple[int, ...]:
         """The decode programs' attention lengths, ending with max_len."""
@@ -102,6 +110,7 @@ class Engine:
         self._decode_fns = {
             size: jax.jit(partial(_decode_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
+        self._verify_fn = jax.jit(partial(_verify_step, cfg=cfg), donate_argnums=(1,))
         self._read_slot_fn = jax.jit(_read_slot)
         self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
         self._copy_fn = jax.jit(partial(_copy_prefix, cfg=cfg), donate_argnums=(0,))
@@ -139,6 +148,8 @@ class Engine:
         for size in self.buckets:  # position size-1 selects that bucket; idle slots write nothing there
             at = np.full(self.num_slots, size - 1, np.int32)
             jobs.append((f"decode step (attends {size})", partial(self.decode, zeros, at, idle)))
+        if self.config.verify_tokens > 1:
+            jobs.append(("speculative verify", partial(self._verify, 0, np.zeros(1, np.int32), 0)))
         no_mask = np.full((self.num_slots, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
         logits = jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32)
         for needs_full in (False, True):
@@ -212,6 +223,28 @@ class Engine:
         logits, self.cache = self._decode_fns[self.bucket_for(packed[1])](self.params, self.cache, packed,
                                                                            self.slot_ids)
         return logits
+
+    def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> list[int]:
+        """One greedy speculative step for one slot holding positions 0..start-1: tokens = [its last generated
+        token, draft_1, ..., draft_k] (k < verify_tokens) go in at positions start.. . Returns the greedy
+        tokens g_0..g_m, where draft_1..draft_m equal g_0..g_{m-1} (so g_m is the first new token past the
+        accepted drafts); the slot then holds positions 0..start+m, i.e. the last token and the m accepted
+        drafts. Exactly the tokens m+1 plain greedy decode steps would give."""
+        tokens = np.asarray(tokens, np.int32)
+        width = self.config.verify_tokens
+        if not 1 <= len(tokens) <= width or width < 2:
+            raise ValueError(f"verify takes 1..{width} tokens, got {len(tokens)}")
+        if start < 0 or start + len(tokens) > self.max_len:
+            raise ValueError(f"positions {start}..{start + len(tokens) - 1} exceed the slot length {self.max_len}")
+        return self._verify(slot, tokens, start)
+
+    def _verify(self, slot: int, tokens: np.ndarray, start: int) -> list[int]:
+        padded = np.zeros((1, self.config.verify_tokens), np.int32)
+        padded[0, :len(tokens)] = tokens
+        ints = np.array([start, len(tokens), slot], np.int32)
+        greedy, accepted, self.cache = self._verify_fn(self.params, self.cache, padded, ints)
+        greedy, accepted = jax.device_get((greedy, accepted))
+        return [int(t) for t in greedy[: int(accepted) + 1]]
 
     def bucket_for(self, positions: np.ndarray) -> int:
         """The smallest attention bucket holding every position (idle slots sit at 0 or below the top)."""
@@ -308,6 +341,25 @@ def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig, attend: i
     tokens, positions, active = packed[0], packed[1], packed[2]
     return forward(params, cache, tokens[:, None], positions, active, slot_ids,
                    cfg=cfg, all_slots=True, logits_mode="last", attend=attend)
+
+
+def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """[B]: how many drafts (tokens[:, 1:]) in a row equal the greedy token before them, up to n_valid-1."""
+    width = tokens.shape[1]
+    match = (tokens[:, 1:] == greedy[:, :-1]) & (jnp.arange(1, width)[None, :] < n_valid[:, None])
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+
+
+def _verify_step(params, cache, tokens, ints, *, cfg: ModelConfig):
+    start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
+
+    def ring_count(logits):  # the last token and the accepted drafts enter the sliding rings
+        return _accepted_drafts(tokens, jnp.argmax(logits, axis=-1), n_valid) + 1
+
+    logits, cache = forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False,
+                            logits_mode="all", ring_count=ring_count)
+    greedy = jnp.argmax(logits, axis=-1)
+    return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
 
 
 def _sample_row(logits, state: SamplerState, slot, step, mask):

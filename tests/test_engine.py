@@ -20,6 +20,7 @@ W = WINDOW
 CHUNKS = (4, 8, 16)
 SLOTS = 3
 BUCKETS = (16, 32, 64)
+VERIFY = 4  # speculative verify: the last token + up to 3 drafts
 FAMILIES = ("gemma3", "gemma4")
 
 
@@ -30,7 +31,7 @@ def setup(request, compile_cache):
     # Decode programs attending over 16, 32, 64 and 96 positions: the decode steps of every test below cross
     # those bucket boundaries (and the ring's), and must equal one full forward all the same.
     engine = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS,
-                                              decode_buckets=BUCKETS), "float32")
+                                              decode_buckets=BUCKETS, verify_width=VERIFY), "float32")
     engine.warmup()
     full = jax.jit(partial(forward, cfg=cfg, all_slots=True, logits_mode="all"))
 
@@ -90,6 +91,30 @@ def test_decode_bucket_is_the_smallest_covering_every_position(setup):
     assert EngineConfig(max_len=8192, decode_buckets=()).attention_buckets() == (8192,)
     with pytest.raises(ValueError, match="decode_buckets"):
         EngineConfig(max_len=64, decode_buckets=(32, 16))
+
+
+@pytest.mark.parametrize("n", [5, 2 * W + 3])
+def test_speculative_verify_gives_exactly_the_plain_greedy_tokens(setup, n):
+    """Drafts that are partly right and partly wrong, through ring wraps: the accepted tokens are the plain
+    greedy continuation, and rejected drafts never corrupt a ring (a later step would then differ)."""
+    cfg, engine, _ = setup
+    rng = np.random.default_rng(n)
+    prompt = rng.integers(3, cfg.vocab_size, size=n)
+    want = greedy(engine, 1, prompt, 4 * W)
+    got = [int(np.argmax(np.asarray(engine.prefill(2, prompt, 0))))]
+    step = 0
+    while len(got) < len(want):
+        right = want[len(got):len(got) + step % VERIFY]  # 0..3 correct drafts, then wrong ones
+        wrong = [int(t) for t in rng.integers(3, cfg.vocab_size, size=VERIFY - 1 - len(right))]
+        drafts = (right + wrong)[:VERIFY - 1]
+        out = engine.verify(2, [got[-1], *drafts], n + len(got) - 1)
+        assert 1 <= len(out) <= len(right) + 1 + sum(1 for a, b in zip(wrong, want[len(got) + len(right):],
+                                                                          strict=False) if a == b)
+        got += out
+        step += 1
+    assert got[:len(want)] == want
+    with pytest.raises(ValueError, match="verify takes"):
+        engine.verify(2, list(range(VERIFY + 1)), 0)
 
 
 def test_plan_chunks_covers_exactly_with_fixed_sizes(setup):
