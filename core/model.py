@@ -13,6 +13,7 @@ L cache positions (window ring or max_len), V vocab.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,12 +38,19 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+MIN_INT8_ROWS = 8
+
+
 def linear(x: jax.Array, w: Any) -> jax.Array:
     """x [..., in] @ w [out, in]^T. `w` may be int8 storage {"q": int8 [out, in], "s": f32 [out]}
     (weight-only: dequantized into the float product), or W8A8 storage {"qa8": int8 [out, in], "s": f32 [out]}
     holding W @ R (core.rotation): x is rotated by R, quantized per row (symmetric, scale max|x|/127) and
     contracted int8 x int8 -> int32."""
     if isinstance(w, dict) and "qa8" in w:
+        rows = math.prod(x.shape[:-1])
+        if rows < MIN_INT8_ROWS:  # XLA's CPU int8 dot has a slow path below 8 rows (the lm_head: ~10x)
+            padded = jnp.zeros((MIN_INT8_ROWS, x.shape[-1]), x.dtype).at[:rows].set(x.reshape(rows, -1))
+            return linear(padded, w)[:rows].reshape(*x.shape[:-1], -1)
         x8, x_scale = quantize_int8(rotate(x.astype(jnp.float32)))  # [..., in] int8, [...] f32
         acc = jax.lax.dot_general(x8, w["qa8"], (((x.ndim - 1,), (1,)), ((), ())),
                                   preferred_element_type=jnp.int32)
@@ -65,7 +73,7 @@ def embedding_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
         q = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     elif "qa8" in table:  # W8A8 rows are gathered too; they are stored rotated (see linear)
         q = jnp.take(table["qa8"], ids, axis=0).astype(jnp.float32) * jnp.take(table["s"], ids, axis=0)[..., None]
-        return rotate(q, inverse=True).astype(dtype)
+        return rotate(q).astype(dtype)  # R is its own inverse
     else:
         q = jnp.take(table["q"], ids, axis=0)
     return q.astype(dtype) * jnp.take(table["s"], ids, axis=0)[..., None].astype(dtype)

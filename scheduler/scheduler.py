@@ -42,6 +42,7 @@ from scheduler.request import (
 )
 from scheduler.sequence import SeqState, Sequence
 from scheduler.slots import Slot, common_prefix
+from scheduler.speculation import propose_draft, speculation_allowed
 from scheduler.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class SchedulerConfig:
     prefix_caching: bool = True
     host_tier_bytes: int = 2 * 2**30
     min_snapshot_tokens: int = 16  # contexts shorter than this are cheaper to recompute than to store
+    # A lone plain-greedy stream runs prompt-lookup speculative steps (engine.verify) instead of decode steps:
+    # same tokens, often several per step (scheduler/speculation.py).
+    speculative: bool = True
 
 
 @dataclass
@@ -73,6 +77,9 @@ class SchedulerStats:
     host_saves: int = 0
     rejected_queue_full: int = 0
     cancelled: int = 0
+    speculative_steps: int = 0  # verify steps (each also counted in decode_steps)
+    draft_tokens: int = 0  # drafted tokens sent to verify steps
+    accepted_draft_tokens: int = 0  # of those, accepted (tokens gained over plain decode steps)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -355,7 +362,7 @@ class Scheduler:
     def _decode(self) -> None:
         running = [slot.sequence for slot in self.slots
                    if slot.sequence is not None and slot.sequence.state is SeqState.DECODING]
-        if not running:
+        if not running or (len(running) == 1 and self._speculate(running[0])):
             return
         s = self.engine.num_slots
         tokens, positions, steps = (np.zeros(s, np.int32) for _ in range(3))
@@ -377,6 +384,35 @@ class Scheduler:
         for seq in running:
             self.slots[seq.slot].tokens.append(int(tokens[seq.slot]))
             self._accept(seq, result, seq.slot)
+
+    def _speculate(self, seq: Sequence) -> bool:
+        """One verify step for a lone eligible stream, if the context suggests a draft; False: decode as usual."""
+        width = self.engine.config.verify_tokens
+        request = seq.request
+        if (not self.config.speculative or width < 2
+                or not speculation_allowed(request.sampling, request.constraint is not None, request.want_logprobs)):
+            return False
+        slot = self.slots[seq.slot]
+        start = slot.held
+        room = min(width - 1, seq.max_tokens - len(seq.generated) - 1, self.engine.max_len - start - 1)
+        draft = propose_draft(seq.prompt + tuple(seq.generated), room)
+        if not draft:
+            return False
+        inputs = [seq.generated[-1], *draft]
+        out = self.engine.verify(seq.slot, inputs, start)
+        self.stats.decode_steps += 1
+        self.stats.speculative_steps += 1
+        self.stats.draft_tokens += len(draft)
+        self.stats.accepted_draft_tokens += len(out) - 1
+        n = len(out)
+        result = SampleResult(np.asarray(out, np.int32), np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
+                              np.zeros((n, 0), np.float32))
+        for row, token in enumerate(inputs[:n]):
+            slot.tokens.append(token)  # the token whose K/V this step wrote
+            self._accept(seq, result, row)
+            if seq.state is SeqState.FINISHED:
+                break
+        return True
 
     def _accept(self, seq: Sequence, result: SampleResult, row: int) -> None:
         token = int(result.tokens[row])

@@ -40,6 +40,7 @@ class SchedulerSection(_Section):
     prefill_budget: int | None = Field(None, ge=1)
     max_waiting: int = Field(256, ge=1)
     prefix_caching: bool = True
+    speculative: bool = True  # prompt-lookup speculative steps for a lone plain-greedy stream
     host_tier_bytes: int = Field(2 * 2**30, ge=0)
 
 
@@ -105,7 +106,8 @@ class ServerConfig(_Section):
             model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, precision=m.precision, num_slots=m.slots,
             max_len=m.max_len,
             chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache, prefill_budget=s.prefill_budget,
-            max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, host_tier_bytes=s.host_tier_bytes,
+            max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
+            host_tier_bytes=s.host_tier_bytes,
             grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,
             max_schema_bytes=g.max_schema_bytes,
         )

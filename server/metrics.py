@@ -57,6 +57,9 @@ class _SchedulerCollector(Collector):
             ("device_copies", "slot-to-slot prefix copies"),
             ("rejected_queue_full", "requests refused because the queue was full"),
             ("cancelled", "requests cancelled (client gone or shutdown)"),
+            ("speculative_steps", "speculative verify steps (a lone greedy stream)"),
+            ("draft_tokens", "prompt-lookup draft tokens verified"),
+            ("accepted_draft_tokens", "draft tokens accepted (tokens gained over plain decode steps)"),
         ):
             c = CounterMetricFamily(f"slotserve_scheduler_{field}", doc)
             c.add_metric([], float(getattr(stats, field)))

@@ -229,3 +229,14 @@ def test_long_keys_are_fast() -> None:
     # ~450 operations on 8K keys; per-token Python loops would take tens of seconds.
     assert elapsed < 2.0, elapsed
     check_structure(index)
+
+
+def test_prompt_lookup_draft_follows_the_latest_longest_match():
+    from scheduler.speculation import propose_draft
+
+    assert propose_draft([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert propose_draft([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # the latest occurrence of [5, 6]
+    assert propose_draft([1, 2, 3, 4, 9, 2, 3, 4], 2) == [9, 2]  # longest suffix (2, 3, 4) wins over (4,)
+    assert propose_draft([1, 2, 3, 4], 3) == []
+    assert propose_draft([7, 7], 4) == [7]
+    assert propose_draft([1, 2], 0) == [] and propose_draft([], 3) == []

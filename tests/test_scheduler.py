@@ -271,3 +271,35 @@ def test_threaded_loop_serves_sync_and_asyncio_callers(engine, tokenizer):
         assert asyncio.run(stream()) == expected
     finally:
         sched.stop()
+
+
+def test_lone_greedy_stream_speculates_and_yields_exactly_the_plain_tokens(engine, tokenizer):
+    prompt = ids(40, 12) * 4  # repetitive, so prompt lookup finds drafts from the start
+    for max_tokens in (40, 9):  # 9: the length limit lands inside a multi-token step
+        plain_sched = make(engine, tokenizer, speculative=False)
+        plain = run_all(plain_sched, [request(prompt, max_tokens=max_tokens)])[0]
+        sched = make(engine, tokenizer)
+        spec = run_all(sched, [request(prompt, max_tokens=max_tokens)])[0]
+        assert spec[0] == plain[0] and len(spec[0]) == max_tokens and spec[1] == plain[1]
+        assert spec[2].reason is plain[2].reason is FinishReason.LENGTH
+        assert sched.stats.speculative_steps > 0 and plain_sched.stats.speculative_steps == 0
+        assert sched.stats.decode_steps == plain_sched.stats.decode_steps - sched.stats.accepted_draft_tokens
+        # The slot holds what it computed: a follow-up turn reuses it as a cached prefix.
+        follow = prompt + tuple(spec[0]) + ids(41, 3)
+        again = run_all(sched, [request(follow, max_tokens=4)])[0]
+        assert again[0] == cold(engine, tokenizer, request(follow, max_tokens=4))
+        assert again[2].usage.cached_tokens >= len(prompt)
+
+
+def test_no_speculation_for_sampled_or_logprob_streams(engine, tokenizer):
+    from scheduler.speculation import speculation_allowed
+
+    prompt = ids(42, 10) * 3
+    sched = make(engine, tokenizer)
+    run_all(sched, [request(prompt, max_tokens=8, sampling=SamplingParams(temperature=0.7, seed=1))])
+    run_all(sched, [request(prompt, max_tokens=8, want_logprobs=True)])
+    assert sched.stats.speculative_steps == 0
+    assert speculation_allowed(GREEDY, constrained=False, wants_logprobs=False)
+    assert not speculation_allowed(GREEDY, constrained=True, wants_logprobs=False)
+    for knobs in ({"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.1}, {"logprobs": 2}, {"temperature": 0.5}):
+        assert not speculation_allowed(SamplingParams(**{"temperature": 0, **knobs}), False, False), knobs
