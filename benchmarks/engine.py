@@ -189,6 +189,9 @@ def build_model(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     else:
         _allow_core_weights_without_gguf()
         params = device_random_params(cfg, dtype, args.seed, args.std)
+    from core.weights import fuse_projections
+
+    params = fuse_projections(params)  # as core.runtime.load_model serves a checkpoint
     how = "device, hashed uniform" if args.init == "device" else "host, core.weights.random_params"
     return {"cfg": cfg, "params": params, "dtype": dtype, "source": f"random ({how}, std {args.std})",
             "raw_config": raw, "seconds": time.perf_counter() - begin}

@@ -195,6 +195,27 @@ def attention(
     return out.reshape(b, t, nh * d)
 
 
+def project_qkv(x: jax.Array, lp: dict[str, Any], layer: Any, num_heads: int
+                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """q [B, T, nh, d] and, for a layer that owns its cache, raw k and v [B, T, kh, d] (v is k where the
+    layer shares them); from one fused "qkv_proj" matmul when present (core.weights.fuse_projections)."""
+    b, t = x.shape[:2]
+    q_out, kv_out = num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    kv_shape = (b, t, layer.num_kv_heads, layer.head_dim)
+    if "qkv_proj" in lp:
+        qkv = linear(x, lp["qkv_proj"])
+        q = qkv[..., :q_out]
+        k = qkv[..., q_out:q_out + kv_out].reshape(kv_shape)
+        v = k if layer.k_eq_v else qkv[..., q_out + kv_out:q_out + 2 * kv_out].reshape(kv_shape)
+    else:
+        q = linear(x, lp["q_proj"])
+        k = v = None
+        if layer.owns_cache:
+            k = linear(x, lp["k_proj"]).reshape(kv_shape)
+            v = k if layer.k_eq_v else linear(x, lp["v_proj"]).reshape(kv_shape)
+    return q.reshape(b, t, num_heads, layer.head_dim), k, v
+
+
 def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, h_emb: jax.Array) -> jax.Array:
     """Gemma 4 per-layer embeddings, [B, T, num_layers, ple_dim]."""
     b, t = tokens.shape
@@ -258,11 +279,9 @@ def forward(
         eps = cfg.rms_norm_eps
         cos, sin = ropes[(layer.kind, layer.head_dim)]
         x = rms_norm(h, lp["input_layernorm"], eps)
-        q = linear(x, lp["q_proj"]).reshape(b, t, cfg.num_heads, layer.head_dim)
-        q = apply_rope(rms_norm(q, lp["q_norm"], eps), cos, sin)
+        q_raw, k_raw, v = project_qkv(x, lp, layer, cfg.num_heads)
+        q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
         if layer.owns_cache:
-            k_raw = linear(x, lp["k_proj"]).reshape(b, t, layer.num_kv_heads, layer.head_dim)
-            v = k_raw if layer.k_eq_v else linear(x, lp["v_proj"]).reshape(k_raw.shape)
             k = apply_rope(rms_norm(k_raw, lp["k_norm"], eps), cos, sin)
             if cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
@@ -284,8 +303,11 @@ def forward(
         h = h + attn
 
         x = rms_norm(h, lp["pre_feedforward_layernorm"], eps)
-        mlp = linear(jax.nn.gelu(linear(x, lp["gate_proj"]), approximate=True) * linear(x, lp["up_proj"]),
-                     lp["down_proj"])
+        if "gate_up_proj" in lp:  # fused (core.weights.fuse_projections)
+            gate, up = jnp.split(linear(x, lp["gate_up_proj"]), 2, axis=-1)
+        else:
+            gate, up = linear(x, lp["gate_proj"]), linear(x, lp["up_proj"])
+        mlp = linear(jax.nn.gelu(gate, approximate=True) * up, lp["down_proj"])
         h = h + rms_norm(mlp, lp["post_feedforward_layernorm"], eps)
 
         if ple is not None:

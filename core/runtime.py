@@ -13,7 +13,7 @@ from core.config import ModelConfig
 from core.device import choose_dtype, choose_precision
 from core.loaders import open_checkpoint
 from core.tokenizer import Tokenizer
-from core.weights import WeightPolicy, load_params, param_bytes
+from core.weights import WeightPolicy, fuse_projections, load_params, param_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def load_model(
     precision, precision_reason = choose_precision(precision)
     log.info("weight precision %s (%s)", precision, precision_reason)
     policy = WeightPolicy(dtype=chosen, int8_matrices=int8_matrices, int4_ple=int4_ple, precision=precision)
-    params = load_params(source, cfg, policy, progress)
+    params = fuse_projections(load_params(source, cfg, policy, progress))
     tokenizer = Tokenizer.from_pretrained(source.path)
     return LoadedModel(
         name=str(model), path=source.path, cfg=cfg, params=params, tokenizer=tokenizer,
