@@ -412,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="server YAML (default: configs/default.yaml)")
     p.add_argument("--model", default=None, help="override the config's model")
     p.add_argument("--precision", default=None, help="override the config's precision (float | w8a8)")
+    p.add_argument("--speculative", choices=("on", "off"), default=None,
+                   help="override scheduler.speculative (default: the config's, on for precision float)")
     p.add_argument("--slots", type=int, default=8, help="KV slots S (default 8)")
     p.add_argument("--max-len", type=int, default=2048,
                    help="positions per slot (default 2048, not the config's 8192: CPU compile and step stay modest)")
@@ -492,6 +494,8 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         overrides["model.name"] = args.model
     if args.precision:
         overrides["model.precision"] = args.precision
+    if args.speculative:
+        overrides["scheduler.speculative"] = args.speculative == "on"
     config = load_config(args.config, overrides)
     configure_logging("warning", True)
     record["config"] = {"file": args.config or "configs/default.yaml", "overrides": overrides,
@@ -502,6 +506,7 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
     runtime.start()
     record["runtime"] = {**runtime.info(), "dtype_reason": runtime.dtype_reason,
                          "precision_reason": runtime.precision_reason,
+                         "speculative": runtime.scheduler.config.speculative,
                          "build_s": round(time.perf_counter() - begin, 1)}
     app = create_app(config, runtime=runtime)
     server = LiveServer(app).start()

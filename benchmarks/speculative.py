@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative-cpu.json"))
+    parser.add_argument("--out", default=None, help="default: results/speculative-<backend>-<precision>.json")
     args = parser.parse_args(argv)
 
     from agents.chat_template import ChatTemplate
@@ -124,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                        "speedup": round(rate["on"] / rate["off"], 3),
                        "all_identical": all(t["identical_outputs"] for t in result["tasks"].values())}
     print(json.dumps(result, indent=2))
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    import jax
+
+    out = args.out or ROOT / f"benchmarks/results/speculative-{jax.default_backend()}-{model.precision}.json"
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

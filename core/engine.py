@@ -111,6 +111,7 @@ class Engine:
             size: jax.jit(partial(_decode_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
         self._verify_fn = jax.jit(partial(_verify_step, cfg=cfg), donate_argnums=(1,))
+        self._prefill_rows_fn = jax.jit(partial(_prefill_rows_step, cfg=cfg), donate_argnums=(1,))
         self._read_slot_fn = jax.jit(_read_slot)
         self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
         self._copy_fn = jax.jit(partial(_copy_prefix, cfg=cfg), donate_argnums=(0,))
@@ -148,6 +149,8 @@ class Engine:
         for size in self.buckets:  # position size-1 selects that bucket; idle slots write nothing there
             at = np.full(self.num_slots, size - 1, np.int32)
             jobs.append((f"decode step (attends {size})", partial(self.decode, zeros, at, idle)))
+        jobs.append((f"batched prefill {self.num_slots} x {self.row_chunk}",
+                     partial(self.prefill_rows, [(0, np.zeros(1, np.int32), 0)])))
         if self.config.verify_tokens > 1:
             jobs.append(("speculative verify", partial(self._verify, 0, np.zeros(1, np.int32), 0)))
         no_mask = np.full((self.num_slots, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
@@ -214,6 +217,31 @@ class Engine:
         ints = np.array([[start], [n], [slot]], np.int32)
         logits, self.cache = self._prefill_fns[size](self.params, self.cache, padded, ints)
         return logits[0]
+
+    @property
+    def row_chunk(self) -> int:
+        """Tokens per slot in the batched prefill (the smallest chunk size)."""
+        return self.config.chunk_sizes[0]
+
+    def prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]]) -> jax.Array:
+        """Prefill several slots in one call: pieces = (slot, tokens, start) with distinct slots and at most
+        row_chunk tokens each (each slot holds 0..start-1). Returns logits [S, V] (device) at each listed
+        slot's last token, so `sample` takes them as it takes a decode step's; other rows are garbage.
+        One call costs about S x row_chunk tokens of compute, so it pays when many short prompts (chat
+        turns after a prefix-cache hit) arrive together."""
+        tokens = np.zeros((self.num_slots, self.row_chunk), np.int32)
+        ints = np.zeros((3, self.num_slots), np.int32)
+        ints[2] = np.arange(self.num_slots)
+        for slot, piece, start in pieces:
+            piece = np.asarray(piece, np.int32)
+            if not 1 <= len(piece) <= self.row_chunk or ints[1, slot]:
+                raise ValueError(f"slot {slot}: 1..{self.row_chunk} tokens once per call, got {len(piece)}")
+            if start < 0 or start + len(piece) > self.max_len:
+                raise ValueError(f"positions {start}..{start + len(piece) - 1} exceed the slot length")
+            tokens[slot, :len(piece)] = piece
+            ints[0, slot], ints[1, slot] = start, len(piece)
+        logits, self.cache = self._prefill_rows_fn(self.params, self.cache, tokens, ints)
+        return logits
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> jax.Array:
         """One token for every slot: slot s reads tokens[s] at positions[s]; idle slots write nothing.
@@ -335,6 +363,10 @@ class Engine:
 def _prefill_step(params, cache, tokens, ints, *, cfg: ModelConfig):
     start, n_valid, slot = ints[0], ints[1], ints[2]
     return forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False, logits_mode="last")
+
+
+def _prefill_rows_step(params, cache, tokens, ints, *, cfg: ModelConfig):
+    return forward(params, cache, tokens, ints[0], ints[1], ints[2], cfg=cfg, all_slots=True, logits_mode="last")
 
 
 def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig, attend: int):

@@ -77,6 +77,7 @@ class SchedulerStats:
     host_saves: int = 0
     rejected_queue_full: int = 0
     cancelled: int = 0
+    batched_prefills: int = 0  # calls that prefilled several short prompts at once (engine.prefill_rows)
     speculative_steps: int = 0  # verify steps (each also counted in decode_steps)
     draft_tokens: int = 0  # drafted tokens sent to verify steps
     accepted_draft_tokens: int = 0  # of those, accepted (tokens gained over plain decode steps)
@@ -321,7 +322,7 @@ class Scheduler:
 
     # ---- prefill -----------------------------------------------------------------------------
     def _prefill(self) -> None:
-        budget = self.prefill_budget
+        budget = self._prefill_together(self.prefill_budget)
         sizes = self.engine.config.chunk_sizes
         while budget > 0 and self._prefilling:
             seq = self._prefilling[0]
@@ -357,6 +358,39 @@ class Scheduler:
                     mask = self._mask_buffer(1)
                     fill_masks([(seq.request.constraint, 0)], mask)
                 self._accept(seq, self.engine.sample_slot(slot.index, logits, step=0, mask=mask), 0)
+
+    def _prefill_together(self, budget: int) -> int:
+        """Finish many short prompts (at most the smallest chunk left, e.g. chat turns after a prefix-cache
+        hit) in one batched call and sample their first tokens together. The call costs about S x chunk
+        tokens whatever the count, so it runs only when at least half the slots would use it."""
+        width, rows = self.engine.row_chunk, self.engine.num_slots
+        cost = width * rows
+        short = [seq for seq in self._prefilling
+                 if not seq.snapshot_points and len(seq.prompt) - seq.cursor <= width]
+        if len(short) < max(2, rows // 2):
+            return budget
+        logits = self.engine.prefill_rows([(seq.slot, np.asarray(seq.prompt[seq.cursor:], np.int32), seq.cursor)
+                                           for seq in short])
+        self.stats.batched_prefills += 1
+        self.stats.prefill_chunks += 1
+        active = np.zeros(rows, bool)
+        for seq in short:
+            self.stats.prefill_tokens += len(seq.prompt) - seq.cursor
+            self.slots[seq.slot].tokens.extend(seq.prompt[seq.cursor:])
+            seq.cursor = len(seq.prompt)
+            seq.state = SeqState.DECODING
+            self._prefilling.remove(seq)
+            active[seq.slot] = True
+        constrained = [(q.request.constraint, q.slot) for q in short if q.request.constraint is not None]
+        mask = None
+        if constrained:
+            mask = self._mask_buffer(rows)
+            fill_masks(constrained, mask)
+        result = self.engine.sample(logits, active, np.zeros(rows, np.int32), mask=mask,
+                                    needs_full=batch_needs_full(q.request.sampling for q in short))
+        for seq in short:
+            self._accept(seq, result, seq.slot)
+        return max(0, budget - cost)  # may exceed a small budget: it replaces that many separate calls
 
     # ---- decode ------------------------------------------------------------------------------
     def _decode(self) -> None:

@@ -117,6 +117,29 @@ def test_speculative_verify_gives_exactly_the_plain_greedy_tokens(setup, n):
         engine.verify(2, list(range(VERIFY + 1)), 0)
 
 
+def test_batched_prefill_of_several_slots_equals_each_alone(setup):
+    """Slots continuing from different positions (one past the ring wrap, one from 0), prefilled in one
+    call, give the logits and the next decode steps that one prefill per slot gives."""
+    cfg, engine, reference = setup
+    rng = np.random.default_rng(31)
+    lengths = {0: (2 * W + 1, 3), 1: (0, 4), 2: (5, 2)}  # slot: (cached prefix, new tokens)
+    ids = {slot: rng.integers(3, cfg.vocab_size, size=held + new + 3) for slot, (held, new) in lengths.items()}
+    for slot, (held, _) in lengths.items():
+        if held:
+            engine.prefill(slot, ids[slot][:held], 0)
+    pieces = [(slot, ids[slot][held:held + new], held) for slot, (held, new) in lengths.items()]
+    logits = np.asarray(engine.prefill_rows(pieces))
+    for slot, (held, new) in lengths.items():
+        want = reference(ids[slot])
+        np.testing.assert_allclose(logits[slot], want[held + new - 1], atol=1e-4, rtol=0)
+        for t in range(held + new, held + new + 3):
+            np.testing.assert_allclose(one_slot_step(engine, slot, int(ids[slot][t]), t), want[t], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="once per call"):
+        engine.prefill_rows([(0, [5], 0), (0, [6], 1)])
+    with pytest.raises(ValueError, match="tokens once per call"):
+        engine.prefill_rows([(1, list(range(3, 3 + CHUNKS[0] + 1)), 0)])
+
+
 def test_plan_chunks_covers_exactly_with_fixed_sizes(setup):
     _, engine, _ = setup
     for n in range(1, 60):

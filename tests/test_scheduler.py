@@ -303,3 +303,18 @@ def test_no_speculation_for_sampled_or_logprob_streams(engine, tokenizer):
     assert not speculation_allowed(GREEDY, constrained=True, wants_logprobs=False)
     for knobs in ({"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.1}, {"logprobs": 2}, {"temperature": 0.5}):
         assert not speculation_allowed(SamplingParams(**{"temperature": 0, **knobs}), False, False), knobs
+
+
+def test_short_prompts_arriving_together_are_prefilled_in_one_call(engine, tokenizer):
+    """Six short prompts (greedy and seeded sampling mixed) submitted at once: one batched prefill, first
+    tokens sampled together, and every output equals the request served alone."""
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    reqs = [request(ids(60 + i, 3), max_tokens=5, sampling=sampled if i % 2 else GREEDY) for i in range(6)]
+    sched = make(engine, tokenizer, prefix_caching=False)
+    results = run_all(sched, reqs)
+    assert sched.stats.batched_prefills == 1
+    for req, got in zip(reqs, results, strict=True):
+        assert got[0] == cold(engine, tokenizer, req)
+    few = make(engine, tokenizer, prefix_caching=False)  # fewer than half the slots: one call each
+    run_all(few, reqs[:3])
+    assert few.stats.batched_prefills == 0

@@ -491,3 +491,17 @@ def test_admin_crud(server):
     assert httpx.delete(f"{base}/poet").json()["deleted"] is True
     _error(httpx.get(f"{base}/poet"), 404)
     _error(httpx.delete(f"{base}/poet"), 404)
+
+
+def test_speculation_follows_the_precision_unless_configured(runtime):
+    from agents.service import RuntimeOptions, assemble_runtime
+    from server.config import load_config
+
+    assert runtime.precision == "w8a8" and runtime.scheduler.config.speculative is False
+    for precision, option, want in (("float", None, True), ("w8a8", True, True), ("float", False, False)):
+        other = assemble_runtime(runtime.engine, runtime.tokenizer, RuntimeOptions(speculative=option),
+                                 precision=precision)
+        assert other.scheduler.config.speculative is want
+        other.compiler.close()
+    assert load_config(overrides={"scheduler.speculative": True}).runtime_options().speculative is True
+    assert load_config().runtime_options().speculative is None
