@@ -361,7 +361,19 @@ def test_request_id_is_echoed(server):
 # ---- cancellation, metrics, readiness ----------------------------------------------------------------------
 
 
-def test_client_disconnect_frees_the_slot(server, runtime):
+@pytest.fixture
+def slow_decode(runtime, monkeypatch):
+    """50 ms per decode step: the tiny model would otherwise finish 48 tokens before a client gives up."""
+    decode = runtime.engine.decode
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.engine, "decode", slow)
+
+
+def test_client_disconnect_frees_the_slot(server, runtime, slow_decode):
     sched = runtime.scheduler
     before = sched.stats.cancelled
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
@@ -377,7 +389,7 @@ def test_client_disconnect_frees_the_slot(server, runtime):
     wait_until(lambda: sched.running == 0, timeout=10)
 
 
-def test_non_streaming_disconnect_cancels(server, runtime):
+def test_non_streaming_disconnect_cancels(server, runtime, slow_decode):
     sched = runtime.scheduler
     before = sched.stats.cancelled
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
@@ -427,7 +439,7 @@ def test_ready_is_503_until_the_runtime_is_warm(runtime):
         srv.stop()
 
 
-def test_graceful_shutdown_ends_streams_cleanly(runtime):
+def test_graceful_shutdown_ends_streams_cleanly(runtime, slow_decode):
     app = create_app(server_config(), runtime=runtime)
     srv = LiveServer(app).start()
     state = app.state.slotserve
