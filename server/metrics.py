@@ -57,6 +57,7 @@ class _SchedulerCollector(Collector):
             ("device_copies", "slot-to-slot prefix copies"),
             ("rejected_queue_full", "requests refused because the queue was full"),
             ("cancelled", "requests cancelled (client gone or shutdown)"),
+            ("batched_prefills", "calls that prefilled several short prompts at once"),
             ("speculative_steps", "speculative verify steps (a lone greedy stream)"),
             ("draft_tokens", "prompt-lookup draft tokens verified"),
             ("accepted_draft_tokens", "draft tokens accepted (tokens gained over plain decode steps)"),
