@@ -62,7 +62,7 @@ class RuntimeOptions:
     prefill_budget: int | None = None
     max_waiting: int = 256
     prefix_caching: bool = True
-    speculative: bool | None = None  # None: on for precision float (see server.config.SchedulerSection)
+    speculative: bool = True
     host_tier_bytes: int = 2 * 2**30
     grammar_backend: str = "llguidance"
     grammar_compile_timeout_s: float = 10.0
@@ -161,7 +161,7 @@ def assemble_runtime(
             prefill_budget=options.prefill_budget,
             max_waiting=options.max_waiting,
             prefix_caching=options.prefix_caching,
-            speculative=options.speculative if options.speculative is not None else precision == "float",
+            speculative=options.speculative,
             host_tier_bytes=options.host_tier_bytes,
         ),
         stop_ids=compiler.stop_ids,

@@ -100,7 +100,9 @@ class Engine:
         self.params = params
         self.config = config
         self.dtype = dtype
-        self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
+        # Verify chunks are written before they are read (exactly like decode), which needs ring slack.
+        slack = config.verify_tokens - 1 if config.verify_tokens > 1 else 0
+        self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype, ring_slack=slack)
         self.cache = init_cache(cfg, self.spec)
         self.slot_ids = jax.device_put(np.arange(config.num_slots, dtype=np.int32))
         self._prefill_fns = {
@@ -110,7 +112,9 @@ class Engine:
         self._decode_fns = {
             size: jax.jit(partial(_decode_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
-        self._verify_fn = jax.jit(partial(_verify_step, cfg=cfg), donate_argnums=(1,))
+        self._verify_fns = {
+            size: jax.jit(partial(_verify_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
+        }
         self._prefill_rows_fn = jax.jit(partial(_prefill_rows_step, cfg=cfg), donate_argnums=(1,))
         self._read_slot_fn = jax.jit(_read_slot)
         self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
@@ -152,7 +156,9 @@ class Engine:
         jobs.append((f"batched prefill {self.num_slots} x {self.row_chunk}",
                      partial(self.prefill_rows, [(0, np.zeros(1, np.int32), 0)])))
         if self.config.verify_tokens > 1:
-            jobs.append(("speculative verify", partial(self._verify, 0, np.zeros(1, np.int32), 0)))
+            for size in self.buckets:
+                jobs.append((f"speculative verify (attends {size})",
+                             partial(self._verify, 0, np.zeros(1, np.int32), max(size - self.config.verify_tokens, 0))))
         no_mask = np.full((self.num_slots, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
         logits = jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32)
         for needs_full in (False, True):
@@ -257,7 +263,10 @@ class Engine:
         token, draft_1, ..., draft_k] (k < verify_tokens) go in at positions start.. . Returns the greedy
         tokens g_0..g_m, where draft_1..draft_m equal g_0..g_{m-1} (so g_m is the first new token past the
         accepted drafts); the slot then holds positions 0..start+m, i.e. the last token and the m accepted
-        drafts. Exactly the tokens m+1 plain greedy decode steps would give."""
+        drafts. Each row is computed as a decode step at its position computes it (the chunk is written into
+        the cache first and attention reads the cache alone, over the same attention bucket), so the tokens
+        are those of m+1 plain greedy decode steps, bit for bit, provided the whole chunk lies in the bucket
+        of its first position (`verify_room`)."""
         tokens = np.asarray(tokens, np.int32)
         width = self.config.verify_tokens
         if not 1 <= len(tokens) <= width or width < 2:
@@ -270,9 +279,15 @@ class Engine:
         padded = np.zeros((1, self.config.verify_tokens), np.int32)
         padded[0, :len(tokens)] = tokens
         ints = np.array([start, len(tokens), slot], np.int32)
-        greedy, accepted, self.cache = self._verify_fn(self.params, self.cache, padded, ints)
+        fn = self._verify_fns[self.bucket_for(np.array([start + len(tokens) - 1]))]
+        greedy, accepted, self.cache = fn(self.params, self.cache, padded, ints)
         greedy, accepted = jax.device_get((greedy, accepted))
         return [int(t) for t in greedy[: int(accepted) + 1]]
+
+    def verify_room(self, start: int) -> int:
+        """How many tokens a verify step at `start` may take and still attend over the bucket a decode step
+        at `start` uses (so its rows equal decode steps bit for bit)."""
+        return min(self.config.verify_tokens, self.bucket_for(np.array([start])) - start)
 
     def bucket_for(self, positions: np.ndarray) -> int:
         """The smallest attention bucket holding every position (idle slots sit at 0 or below the top)."""
@@ -310,7 +325,7 @@ class Engine:
         snap = SlotSnapshot(start=start, end=end)
         for layer in self.cfg.cache_owners:
             key = layer_key(layer.index)
-            length = cache_length(self.cfg, layer, self.max_len)
+            length = cache_length(self.cfg, layer, self.max_len, self.spec.ring_slack)
             first = max(start, end - length) if layer.is_sliding else start
             positions = np.arange(first, end)
             index = positions % length if layer.is_sliding else positions
@@ -324,7 +339,7 @@ class Engine:
         masks: dict[str, np.ndarray] = {}
         for layer in self.cfg.cache_owners:
             key = layer_key(layer.index)
-            length = cache_length(self.cfg, layer, self.max_len)
+            length = cache_length(self.cfg, layer, self.max_len, self.spec.ring_slack)
             positions = snap.positions[key]
             index = positions % length if layer.is_sliding else positions
             mask = np.zeros(length, bool)
@@ -355,7 +370,7 @@ class Engine:
         A query at n attends to n-window+1..n, so the ring must still hold n-window+1..n-1. It holds
         held-window..held-1: true for n >= held-1 (so a full hit can recompute its last token), or
         when nothing has wrapped yet (held <= window)."""
-        ring = min(self.cfg.sliding_window, self.max_len)
+        ring = min(self.cfg.sliding_window + self.spec.ring_slack, self.max_len)
         has_sliding = any(layer.is_sliding for layer in self.cfg.cache_owners)
         return n >= held - 1 or not has_sliding or held <= ring
 
@@ -382,14 +397,10 @@ def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
 
 
-def _verify_step(params, cache, tokens, ints, *, cfg: ModelConfig):
+def _verify_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
     start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
-
-    def ring_count(logits):  # the last token and the accepted drafts enter the sliding rings
-        return _accepted_drafts(tokens, jnp.argmax(logits, axis=-1), n_valid) + 1
-
     logits, cache = forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False,
-                            logits_mode="all", ring_count=ring_count)
+                            logits_mode="all", attend=attend, cache_only=True)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
 

@@ -14,7 +14,6 @@ L cache positions (window ring or max_len), V vocab.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -240,7 +239,7 @@ def forward(
     all_slots: bool,
     logits_mode: str,
     attend: int | None = None,
-    ring_count: Callable[[jax.Array], jax.Array] | None = None,
+    cache_only: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run T tokens per row through the model, reading and then extending each row's slot cache.
 
@@ -251,10 +250,10 @@ def forward(
     "hidden" -> the final normed hidden states [B, T, H].
     attend: global layers read only cache positions [0, attend) (every row's positions must lie below it),
     so a decode step's cost follows the longest active context, not max_len.
-    ring_count (chunks, for speculative verification): maps the output to how many of each row's tokens the
-    sliding rings keep (the accepted ones): a rejected draft written into a ring would overwrite a position
-    the window still needs. Global caches take every token; those past the slot's length are masked and
-    overwritten later.
+    cache_only: write every new K/V into the cache first and attend over the cache alone (decode always does).
+    For a chunk this needs rings with T-1 positions of slack (CacheSpec.ring_slack) so that writing the
+    chunk never overwrites a position its first query still needs; the speculative verify step runs this
+    way, so each of its rows computes exactly what a decode step at that position computes.
     """
     b, t = tokens.shape
     dtype = params["final_norm"].dtype  # the compute dtype
@@ -269,11 +268,12 @@ def forward(
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
 
     # Scatter new K/V into the cache before any layer reads it, so the donated cache is updated in place
-    # (a read before a later scatter makes XLA copy the whole cache). The attention is the same either
-    # way: cache entries at the new positions are masked out and the new keys are attended to directly.
-    # Only a sliding ring written by a chunk of several tokens must wait: the chunk's later tokens would
-    # overwrite ring entries its earlier tokens still need (the ring is small, so its copy is cheap).
-    write_first = t == 1
+    # (a read before a later scatter makes XLA copy the whole cache). Decode (and cache_only chunks) then
+    # attend over the cache alone. A prefill chunk writes its sliding rings afterwards and attends over
+    # the cache plus its own keys: its later tokens would overwrite ring entries its earlier tokens still
+    # need (the ring is small, so its copy is cheap).
+    cache_only = cache_only or t == 1
+    write_first = cache_only
     new_kv: dict[int, tuple[jax.Array, jax.Array]] = {}
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         eps = cfg.rms_norm_eps
@@ -293,7 +293,8 @@ def forward(
         if attend is not None and not layer.is_sliding and attend < entry["k"].shape[1]:
             cached = {name: arr[:, :attend] for name, arr in cached.items()}
         attn = attention(
-            q, cached, positions, starts, (*new_kv[layer.kv_source], n_valid),
+            q, cached, positions, starts + n_valid if cache_only else starts,
+            None if cache_only else (*new_kv[layer.kv_source], n_valid),
             window=cfg.sliding_window if layer.is_sliding else None,
             ring=layer.is_sliding,
             scale=cfg.query_scale,
@@ -327,8 +328,7 @@ def forward(
         out = lm_head(params, cfg, h)
     if not write_first:
         rings = {i: kv for i, kv in new_kv.items() if cfg.layers[i].is_sliding}
-        keep = n_valid if ring_count is None else jnp.minimum(ring_count(out), n_valid)
-        cache = write_chunk(cache, rings, cfg, positions, keep, slots)
+        cache = write_chunk(cache, rings, cfg, positions, n_valid, slots)
     return out, cache
 
 

@@ -40,9 +40,7 @@ class SchedulerSection(_Section):
     prefill_budget: int | None = Field(None, ge=1)
     max_waiting: int = Field(256, ge=1)
     prefix_caching: bool = True
-    # Prompt-lookup speculative steps for a lone plain-greedy stream. None: on where they reproduce plain
-    # greedy decoding exactly (precision float); W8A8 diverges at near-ties (benchmarks/README.md).
-    speculative: bool | None = None
+    speculative: bool = True  # prompt-lookup speculative steps for a lone plain-greedy stream (same tokens)
     host_tier_bytes: int = Field(2 * 2**30, ge=0)
 
 

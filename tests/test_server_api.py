@@ -363,14 +363,16 @@ def test_request_id_is_echoed(server):
 
 @pytest.fixture
 def slow_decode(runtime, monkeypatch):
-    """50 ms per decode step: the tiny model would otherwise finish 48 tokens before a client gives up."""
-    decode = runtime.engine.decode
+    """50 ms per decode (or speculative) step: the tiny model would otherwise finish 48 tokens before a
+    client gives up."""
+    for name in ("decode", "verify"):
+        step = getattr(runtime.engine, name)
 
-    def slow(*args, **kwargs):
-        time.sleep(0.05)
-        return decode(*args, **kwargs)
+        def slow(*args, _step=step, **kwargs):
+            time.sleep(0.05)
+            return _step(*args, **kwargs)
 
-    monkeypatch.setattr(runtime.engine, "decode", slow)
+        monkeypatch.setattr(runtime.engine, name, slow)
 
 
 def test_client_disconnect_frees_the_slot(server, runtime, slow_decode):
@@ -506,15 +508,8 @@ def test_admin_crud(server):
     _error(httpx.delete(f"{base}/poet"), 404)
 
 
-def test_speculation_follows_the_precision_unless_configured(runtime):
-    from agents.service import RuntimeOptions, assemble_runtime
+def test_speculation_is_configurable():
     from server.config import load_config
 
-    assert runtime.precision == "w8a8" and runtime.scheduler.config.speculative is False
-    for precision, option, want in (("float", None, True), ("w8a8", True, True), ("float", False, False)):
-        other = assemble_runtime(runtime.engine, runtime.tokenizer, RuntimeOptions(speculative=option),
-                                 precision=precision)
-        assert other.scheduler.config.speculative is want
-        other.compiler.close()
-    assert load_config(overrides={"scheduler.speculative": True}).runtime_options().speculative is True
-    assert load_config().runtime_options().speculative is None
+    assert load_config().runtime_options().speculative is True
+    assert load_config(overrides={"scheduler.speculative": False}).runtime_options().speculative is False
