@@ -428,8 +428,8 @@ class Scheduler:
             return False
         slot = self.slots[seq.slot]
         start = slot.held
-        room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1,
-                   self.engine.max_len - start - 1)
+        # verify_room keeps the chunk inside one attention bucket (so also within max_len)
+        room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1)
         draft = propose_draft(seq.prompt + tuple(seq.generated), room)
         if not draft:
             return False
