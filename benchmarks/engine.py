@@ -380,7 +380,7 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
                    "param_bytes": param_bytes(params),
                    "param_count": sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))})
     config = EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=args.chunk_sizes,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, decode_buckets=args.decode_buckets, verify_width=args.verify_width)
     engine = Engine(cfg, params, config, dtype)
     kv_total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(engine.cache))
     result.update({"bytes_per_slot": engine.bytes_per_slot, "kv_total_bytes": kv_total,
@@ -447,6 +447,9 @@ def measure(args: argparse.Namespace, engines: list[Any], results: list[dict[str
 # ---- driver --------------------------------------------------------------------------------------------
 
 def git_commit() -> str | None:
+    # A copy of the tree without .git (the GPU machine's) passes the commit in the environment.
+    if os.environ.get("SLOTSERVE_GIT_COMMIT"):
+        return os.environ["SLOTSERVE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or None
@@ -479,6 +482,8 @@ def metadata(args: argparse.Namespace, compute_dtype: str, dtype_reason: str) ->
         "max_len": args.max_len,
         "chunk_sizes": list(args.chunk_sizes),
         "contexts": args.contexts,
+        "decode_buckets": args.decode_buckets,
+        "verify_width": args.verify_width,
         "steps": args.steps,
         "warm_steps": args.warm_steps,
         "sampler": f"engine.sample(needs_full=False), temperature {args.temperature}, in the timed step",
@@ -541,6 +546,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-sizes", default="32,128,512", help="prefill chunk sizes (default 32,128,512)")
     p.add_argument("--contexts", default="512,4096",
                    help="decode positions (default 512,4096); clamped below max_len (the cost does not depend on it)")
+    p.add_argument("--decode-buckets", default=None,
+                   help="decode attention buckets below max_len, e.g. 1024 (default: the engine's, powers of two "
+                        "from 1024); fewer buckets compile fewer programs")
+    p.add_argument("--verify-width", type=int, default=None,
+                   help="speculative verify width (default: the engine's; 0 compiles no verify program)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default: 16 on CPU, 100 otherwise)")
     p.add_argument("--warm-steps", type=int, default=2, help="untimed decode steps before each timing")
     p.add_argument("--prefill-chunks", type=int, default=None,
@@ -564,6 +574,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.chunk_sizes = tuple(int(x) for x in args.chunk_sizes.split(","))
     args.contexts = [int(x) for x in args.contexts.split(",")]
+    if args.decode_buckets is not None:
+        args.decode_buckets = tuple(int(x) for x in args.decode_buckets.split(",") if x.strip())
     args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
     if args.config:
         args.random_weights = True
