@@ -31,12 +31,13 @@ def configure_environment(platform: str | None = None) -> None:
         log.debug("jax already imported; XLA environment settings may not take effect")
     if platform:
         os.environ.setdefault("JAX_PLATFORMS", platform)
-    # GPU: allocate on demand rather than grabbing 75% of memory, and skip GEMM autotuning, which
-    # costs much persistent memory for little speed in a fixed-shape server.
+    # GPU: allocate on demand rather than grabbing 75% of memory. GEMM autotuning stays on (XLA's default):
+    # on an H200 it halves the Gemma 4 E2B decode step (benchmarks/results/decode-profile-gpu-*.json) for a
+    # few seconds more compile per program; SLOTSERVE_XLA_AUTOTUNE_LEVEL=0 turns it off.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    autotune = os.environ.get("SLOTSERVE_XLA_AUTOTUNE_LEVEL", "0")
+    autotune = os.environ.get("SLOTSERVE_XLA_AUTOTUNE_LEVEL")
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_autotune_level" not in flags:
+    if autotune is not None and "xla_gpu_autotune_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level={autotune}".strip()
 
 

@@ -27,7 +27,8 @@ def test_cpu_choice_is_measured(monkeypatch):
     assert "CPU measurement" in reason and "float32" in reason and "bfloat16" in reason
 
 
-def test_xla_environment_is_set_before_jax_is_imported():
+def xla_environment(**extra: str) -> dict[str, str | None]:
+    """The XLA variables configure_environment() leaves in a fresh process (jax never imported)."""
     code = (
         "import json, os, sys\n"
         "from core.device import configure_environment\n"
@@ -35,11 +36,24 @@ def test_xla_environment_is_set_before_jax_is_imported():
         "assert 'jax' not in sys.modules\n"
         "print(json.dumps({k: os.environ.get(k) for k in ('XLA_PYTHON_CLIENT_PREALLOCATE', 'XLA_FLAGS')}))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    values = json.loads(out.stdout)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "SLOTSERVE_XLA_AUTOTUNE_LEVEL")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra},
+                         check=True)
+    return json.loads(out.stdout)
+
+
+def test_xla_environment_is_set_before_jax_is_imported():
+    values = xla_environment()
     assert values["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert "--xla_gpu_autotune_level=0" in values["XLA_FLAGS"]
+    # GEMM autotuning is left to XLA's default (on): it halves the GPU decode step.
+    assert "xla_gpu_autotune_level" not in (values["XLA_FLAGS"] or "")
+
+
+def test_autotune_level_can_be_set_but_never_overrides_the_users_xla_flags():
+    assert "--xla_gpu_autotune_level=0" in xla_environment(SLOTSERVE_XLA_AUTOTUNE_LEVEL="0")["XLA_FLAGS"]
+    flags = xla_environment(SLOTSERVE_XLA_AUTOTUNE_LEVEL="0", XLA_FLAGS="--xla_gpu_autotune_level=2")["XLA_FLAGS"]
+    assert flags == "--xla_gpu_autotune_level=2"
 
 
 def test_persistent_compile_cache_serves_a_restarted_process(tmp_path):
