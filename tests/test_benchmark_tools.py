@@ -1,0 +1,43 @@
+"""The profiling benchmark's trace arithmetic, and a smoke run of it on a one-layer model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.decode_profile import busy_time, main, summarise
+
+
+def test_busy_time_counts_overlapping_intervals_once():
+    assert busy_time([]) == 0
+    assert busy_time([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert busy_time([(5, 6), (0, 10)]) == 10
+
+
+def test_summary_keeps_to_gpu_streams_and_ranks_ops_by_time():
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "python", "ts": 0, "dur": 1000},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "gemm", "ts": 0, "dur": 300},
+        {"ph": "X", "pid": 2, "tid": 2, "name": "fusion", "ts": 100, "dur": 100},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "gemm", "ts": 500, "dur": 300},
+    ]
+    summary = summarise({"traceEvents": events}, steps=2, top=5)
+    assert summary["processes"] == ["/device:GPU:0"]
+    assert summary["ops_per_step"] == 1.5
+    assert summary["op_time_per_step_ms"] == pytest.approx(0.35)
+    assert summary["busy_per_step_ms"] == pytest.approx(0.3)  # the fusion overlaps the first gemm
+    assert [op["name"] for op in summary["top_ops"]] == ["gemm", "fusion"]
+    assert summary["top_ops"][0]["calls_per_step"] == 1.0
+
+
+def test_profile_run_writes_its_report(tmp_path):
+    out = tmp_path / "profile.json"
+    assert main(["--config", "configs/models/gemma3-270m.json", "--layers", "1", "--slots", "2",
+                 "--max-len", "1024", "--steps", "2", "--trace-steps", "2", "--decode-buckets", "",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["bucket"] == 1024 and report["wall_ms_p50"] > 0
+    assert report["trace"]["ops_per_step"] > 0 and report["trace"]["top_ops"]
