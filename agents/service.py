@@ -53,7 +53,7 @@ class RuntimeOptions:
 
     model: str = "default"
     dtype: str | None = None  # None: chosen per device
-    kv_dtype: str | None = None  # None: the compute dtype; "int8"
+    kv_dtype: str | None = None  # "int8", a float dtype or "compute"; None: chosen (core.device.choose_kv_dtype)
     precision: str | None = None  # "float" | "w8a8"; None: chosen per device (core.device.choose_precision)
     num_slots: int = 8
     max_len: int = 8192
@@ -83,6 +83,7 @@ class Runtime:
     dtype_reason: str = ""
     precision: str = "float"
     precision_reason: str = ""
+    kv_dtype_reason: str = ""
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
     _started: bool = field(default=False, repr=False)
@@ -136,6 +137,7 @@ def assemble_runtime(
     dtype_reason: str = "",
     precision: str = "float",
     precision_reason: str = "",
+    kv_dtype_reason: str = "",
     load_seconds: float = 0.0,
     progress: Progress | None = None,
 ) -> Runtime:
@@ -170,13 +172,13 @@ def assemble_runtime(
         engine=engine, scheduler=scheduler, tokenizer=tokenizer, compiler=compiler,
         template=ChatTemplate(tokenizer), model_name=model_name, dtype=engine.dtype,
         dtype_reason=dtype_reason, precision=precision, precision_reason=precision_reason,
-        load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
+        kv_dtype_reason=kv_dtype_reason, load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
     )
 
 
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
     """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
-    from core.device import enable_compile_cache
+    from core.device import choose_kv_dtype, enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 
@@ -187,18 +189,21 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
     model = load_model(options.model, dtype=options.dtype, precision=options.precision,
                        progress=(lambda done, total: progress(f"loading weights [{done}/{total}]"))
                        if progress else None)
+    kv_dtype, kv_reason = choose_kv_dtype(options.kv_dtype, model.precision)
     engine = Engine(model.cfg, model.params,
                     EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
-                                 chunk_sizes=tuple(options.chunk_sizes), kv_dtype=options.kv_dtype),
+                                 chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype),
                     model.dtype)
     if progress:
-        progress(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}), "
+        progress(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: "
+                 f"{kv_reason}), "
                  f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB; compute {model.dtype} "
                  f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})")
     engine.warmup((lambda name, done, total: progress(f"compiling [{done}/{total}] {name}")) if progress else None)
     return assemble_runtime(engine, model.tokenizer, options, model_name=str(options.model),
                             dtype_reason=model.dtype_reason, precision=model.precision,
-                            precision_reason=model.precision_reason, load_seconds=model.load_seconds,
+                            precision_reason=model.precision_reason, kv_dtype_reason=kv_reason,
+                            load_seconds=model.load_seconds,
                             progress=progress)
 
 

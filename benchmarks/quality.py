@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""W8A8 vs float32 on the real model: greedy agreement, perplexity, decode step time.
+"""Fast paths vs float32 on the real model: greedy agreement, perplexity, decode step time.
 
     python3 benchmarks/quality.py --model default
 
-- Greedy agreement (teacher-forced): both engines (8 slots each) are fed the float32 model's own greedy
-  continuation of 16 prompts for 128 tokens; agreement is the fraction of the 16 x 128 positions where the
-  W8A8 argmax equals the float32 argmax. Feeding both the same tokens keeps one early difference from
+Variants (`--variants`, the first is the reference): f32 (float32 weights and KV), w8a8 (W8A8 weights,
+float32 KV), w8a8_int8kv (W8A8 weights, int8 KV with per-position scales).
+
+- Greedy agreement (teacher-forced): every engine (8 slots each) is fed the reference's own greedy
+  continuation of 16 prompts for 128 tokens; agreement is the fraction of the 16 x 128 positions where a
+  variant's argmax equals the reference's. Feeding all the same tokens keeps one early difference from
   making every later position incomparable. The free-running figure (length of the common greedy prefix)
   is reported too.
-- Perplexity of both on a fixed text of 4096 scored tokens: Python's own help topics (`pydoc_data.topics`,
+- Perplexity of each on a fixed text of 4096 scored tokens: Python's own help topics (`pydoc_data.topics`,
   every topic in name order; `core.quality.reference_text`), which ship with the interpreter and do not change
   with this repository, in 512-token chunks through one slot; also the top-1 agreement on that text.
-- Decode step time of the 8-slot step, the two precisions interleaved step by step.
+- Decode step time of the 8-slot step, the variants interleaved step by step.
 """
 
 from __future__ import annotations
@@ -38,13 +41,23 @@ PROMPTS = [
 ]
 
 
+# name -> (precision, KV cache dtype); the first is the reference.
+VARIANTS = {"f32": ("float", "float32"), "w8a8": ("w8a8", "float32"), "w8a8_int8kv": ("w8a8", "int8")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="default")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--ppl-tokens", type=int, default=4096, help="tokens scored (in 512-token chunks)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, the first is the reference (default {','.join(VARIANTS)})")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/quality-cpu.json"))
     args = parser.parse_args(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if len(names) < 2 or any(n not in VARIANTS for n in names):
+        parser.error(f"--variants takes two or more of {', '.join(VARIANTS)}")
+    ref, others = names[0], names[1:]
 
     import jax.numpy as jnp
     import numpy as np
@@ -58,71 +71,85 @@ def main(argv: list[str] | None = None) -> int:
     enable_compile_cache()
     model = load_model(args.model, dtype="float32")
     cfg, tok = model.cfg, model.tokenizer
-    variants = {"f32": model.params, "w8a8": to_w8a8(model.params)}
-    result: dict = {"model": args.model, "param_bytes": {k: param_bytes(v) for k, v in variants.items()}}
+    weights = {"float": model.params}
+    if any(VARIANTS[n][0] == "w8a8" for n in names):
+        weights["w8a8"] = to_w8a8(model.params)
+    params = {n: weights[VARIANTS[n][0]] for n in names}
+    kv = {n: VARIANTS[n][1] for n in names}
+    result: dict = {"model": args.model, "reference": ref,
+                    "variants": {n: {"precision": VARIANTS[n][0], "kv_dtype": kv[n]} for n in names},
+                    "param_bytes": {n: param_bytes(params[n]) for n in names}}
 
     slots, max_len = 8, 256
-    engines = {k: Engine(cfg, p, EngineConfig(num_slots=slots, max_len=max_len, chunk_sizes=(32, 128)), "float32")
-               for k, p in variants.items()}
+    engines = {n: Engine(cfg, params[n], EngineConfig(num_slots=slots, max_len=max_len, chunk_sizes=(32, 128),
+                                                      kv_dtype=None if kv[n] == "float32" else kv[n]), "float32")
+               for n in names}
     for e in engines.values():
         e.warmup()
 
     prompts = [tok.encode(p, add_bos=True) for p in PROMPTS]
-    match = total = 0
-    free_prefix = []
-    times: dict[str, list[float]] = {k: [] for k in engines}
+    match = dict.fromkeys(others, 0)
+    total = 0
+    free_prefix: dict[str, list[int]] = {n: [] for n in others}
+    times: dict[str, list[float]] = {n: [] for n in names}
     for group in range(0, len(prompts), slots):
         batch = prompts[group:group + slots]
-        last = {k: [] for k in engines}
+        last: dict[str, list[int]] = {n: [] for n in names}
         for slot, ids in enumerate(batch):
-            for k, e in engines.items():
-                last[k].append(int(jnp.argmax(e.prefill(slot, ids, 0))))
-        fed = np.array(last["f32"] + [0] * (slots - len(batch)), np.int32)
-        diverged = [last["f32"][i] != last["w8a8"][i] for i in range(len(batch))]
-        prefix = [0 if d else 1 for d in diverged]  # greedy tokens shared before the first difference
-        match += sum(not d for d in diverged)
+            for n, e in engines.items():
+                last[n].append(int(jnp.argmax(e.prefill(slot, ids, 0))))
+        fed = np.array(last[ref] + [0] * (slots - len(batch)), np.int32)
+        diverged = {n: [last[ref][i] != last[n][i] for i in range(len(batch))] for n in others}
+        prefix = {n: [0 if d else 1 for d in diverged[n]] for n in others}  # greedy tokens shared so far
+        for n in others:
+            match[n] += sum(not d for d in diverged[n])
         total += len(batch)
         positions = np.array([len(p) for p in batch] + [0] * (slots - len(batch)), np.int32)
         active = np.arange(slots) < len(batch)
         for _ in range(args.steps - 1):
             out = {}
-            for k, e in engines.items():  # interleaved: same step, same inputs, one after the other
+            for n, e in engines.items():  # interleaved: same step, same inputs, one after the other
                 begin = time.perf_counter()
-                out[k] = np.asarray(jnp.argmax(e.decode(fed, positions, active), axis=-1))
-                times[k].append(time.perf_counter() - begin)
-            for i in range(len(batch)):
-                match += int(out["f32"][i] == out["w8a8"][i])
-                total += 1
-                if not diverged[i]:
-                    diverged[i] = bool(out["f32"][i] != out["w8a8"][i])
-                    prefix[i] += 0 if diverged[i] else 1
-            fed = out["f32"].astype(np.int32)
+                out[n] = np.asarray(jnp.argmax(e.decode(fed, positions, active), axis=-1))
+                times[n].append(time.perf_counter() - begin)
+            total += len(batch)
+            for n in others:
+                for i in range(len(batch)):
+                    match[n] += int(out[ref][i] == out[n][i])
+                    if not diverged[n][i]:
+                        diverged[n][i] = bool(out[ref][i] != out[n][i])
+                        prefix[n][i] += 0 if diverged[n][i] else 1
+            fed = out[ref].astype(np.int32)
             positions = positions + active
-        free_prefix += prefix
-        print(f"group {group // slots}: agreement so far {match / total:.4f}", file=sys.stderr)
+        for n in others:
+            free_prefix[n] += prefix[n]
+        print(f"group {group // slots}: agreement so far "
+              + ", ".join(f"{n} {match[n] / total:.4f}" for n in others), file=sys.stderr)
 
-    ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    ms = {n: 1e3 * float(np.median(v)) for n, v in times.items()}
     result["greedy"] = {
         "prompts": len(prompts), "tokens_per_prompt": args.steps, "slots": slots,
-        "teacher_forced_top1_agreement": round(match / total, 4),
-        "free_running_common_prefix_mean": round(float(np.mean(free_prefix)), 1),
-        "free_running_common_prefix_min": int(np.min(free_prefix)),
-        "free_running_full_match_prompts": int(sum(n >= args.steps for n in free_prefix)),
+        **{n: {"teacher_forced_top1_agreement": round(match[n] / total, 4),
+               "free_running_common_prefix_mean": round(float(np.mean(free_prefix[n])), 1),
+               "free_running_common_prefix_min": int(np.min(free_prefix[n])),
+               "free_running_full_match_prompts": int(sum(k >= args.steps for k in free_prefix[n]))}
+           for n in others},
     }
-    result["decode_step_ms_p50"] = {k: round(v, 2) for k, v in ms.items()}
-    result["decode_step_ratio_w8a8_over_f32"] = round(ms["w8a8"] / ms["f32"], 3)
+    result["decode_step_ms_p50"] = {n: round(v, 2) for n, v in ms.items()}
+    result["decode_step_ratio_vs_reference"] = {n: round(ms[n] / ms[ref], 3) for n in others}
     del engines
     print(json.dumps(result, indent=2), file=sys.stderr)
 
     ids = reference_tokens(tok, args.ppl_tokens + 1)
-    scored = {k: score(cfg, p, ids) for k, p in variants.items()}
-    ppl = {k: perplexity(lp) for k, (lp, _) in scored.items()}
-    result["perplexity"] = {"text": REFERENCE_TEXT, "python": sys.version.split()[0],
-                            "tokens_scored": len(scored["f32"][0]),
-                            **{k: round(v, 4) for k, v in ppl.items()},
-                            "relative_change": round(ppl["w8a8"] / ppl["f32"] - 1, 4),
-                            "teacher_forced_top1_agreement_on_text": round(
-                                float(np.mean(scored["w8a8"][1] == scored["f32"][1])), 4)}
+    scored = {n: score(cfg, params[n], ids, kv_dtype=kv[n]) for n in names}
+    ppl = {n: perplexity(lp) for n, (lp, _) in scored.items()}
+    result["perplexity"] = {
+        "text": REFERENCE_TEXT, "python": sys.version.split()[0], "tokens_scored": len(scored[ref][0]),
+        **{n: round(v, 4) for n, v in ppl.items()},
+        "relative_change": {n: round(ppl[n] / ppl[ref] - 1, 4) for n in others},
+        "teacher_forced_top1_agreement_on_text": {
+            n: round(float(np.mean(scored[n][1] == scored[ref][1])), 4) for n in others},
+    }
     print(json.dumps(result, indent=2))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -39,15 +39,18 @@ def _chunk_fn(cfg: ModelConfig):
     return jax.jit(step, donate_argnums=(1,))
 
 
-def score(cfg: ModelConfig, params: dict[str, Any], ids: list[int], chunk: int = 512) -> tuple[np.ndarray, np.ndarray]:
-    """Teacher-forced pass over ids in full chunks through one slot: the log-probability of each next token
-    [n-1] and the argmax prediction after each position [n-1] (a ragged tail shorter than `chunk` is dropped)."""
+def score(cfg: ModelConfig, params: dict[str, Any], ids: list[int], chunk: int = 512,
+          kv_dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced pass over ids in full chunks through one slot whose cache stores `kv_dtype`: the
+    log-probability of each next token [n-1] and the argmax prediction after each position [n-1] (a ragged
+    tail shorter than `chunk` is dropped). Later chunks read earlier ones from the cache, so a quantized
+    cache's error shows."""
     fn = _chunk_fn(cfg)
     ids_np = np.asarray(ids, np.int32)
     usable = (len(ids_np) - 1) // chunk * chunk
     if usable == 0:
         raise ValueError(f"need more than {chunk} tokens, got {len(ids_np)}")
-    cache = init_cache(cfg, CacheSpec(1, usable))
+    cache = init_cache(cfg, CacheSpec(1, usable, kv_dtype))
     logps, argmaxes = [], []
     for start in range(0, usable, chunk):
         tokens = jnp.asarray(ids_np[None, start:start + chunk])

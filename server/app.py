@@ -280,11 +280,12 @@ def _load(state: ServerState) -> None:
         )
         state.runtime = runtime
         state.metrics.set_model_info({**runtime.info(), "dtype_reason": runtime.dtype_reason,
-                                      "precision_reason": runtime.precision_reason})
+                                      "precision_reason": runtime.precision_reason,
+                                      "kv_dtype_reason": runtime.kv_dtype_reason})
         state.status = "ready"
         state.ready.set()
         progress(f"ready in {time.perf_counter() - begin:.1f} s ({runtime.model_name}, {runtime.dtype}, "
-                 f"precision {runtime.precision}, "
+                 f"precision {runtime.precision}, KV {runtime.kv_dtype}, "
                  f"{runtime.num_slots} slots x {runtime.max_len})")
     except BaseException as e:  # noqa: BLE001 - reported by /ready, the process stays up for diagnosis
         state.load_error = f"{type(e).__name__}: {e}"

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="override the config's model ('default', a directory, a .gguf)")
     serve.add_argument("--precision", default=None, choices=("float", "f32", "w8a8"),
                        help="override the config's weight precision (default: by device)")
+    serve.add_argument("--kv-dtype", default=None, choices=("compute", "int8", "float32", "bfloat16", "float16"),
+                       help="override the config's KV cache dtype (default: by device and precision)")
 
     tok = sub.add_parser("tokenize", help="print the token ids of a text (no special tokens added)")
     tok.add_argument("--model", default="default")

@@ -21,7 +21,8 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     name: str = "default"  # "default", an HF checkpoint directory or a .gguf file
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: chosen per device
-    kv_dtype: str | None = None  # None: the compute dtype; "int8"
+    # None: chosen per device (int8 on CPU with W8A8, else the compute dtype); "compute" forces the latter
+    kv_dtype: Literal["compute", "int8", "float32", "bfloat16", "float16"] | None = None
     precision: Literal["float", "f32", "w8a8"] | None = None  # None: chosen per device
     slots: int = Field(8, ge=1)
     max_len: int = Field(8192, ge=16)

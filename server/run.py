@@ -8,22 +8,20 @@ import sys
 from server.config import ConfigError, load_config
 
 
+def config_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """Dotted config keys set by `serve`'s command-line flags (None: not given)."""
+    flags = {"server.host": args.host, "server.port": args.port, "store.url": args.redis_url,
+             "model.name": getattr(args, "model", None), "model.precision": getattr(args, "precision", None),
+             "model.kv_dtype": getattr(args, "kv_dtype", None)}
+    return {key: value for key, value in flags.items() if value is not None and value != ""}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import configure_logging, create_app
 
-    overrides = {}
-    if args.host is not None:
-        overrides["server.host"] = args.host
-    if args.port is not None:
-        overrides["server.port"] = args.port
-    if args.redis_url is not None:
-        overrides["store.url"] = args.redis_url
-    if getattr(args, "model", None):
-        overrides["model.name"] = args.model
-    if getattr(args, "precision", None):
-        overrides["model.precision"] = args.precision
+    overrides = config_overrides(args)
     try:
         config = load_config(args.config, overrides)
     except ConfigError as e:

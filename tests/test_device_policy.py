@@ -97,3 +97,32 @@ def test_server_config_takes_the_precision():
     assert load_config(overrides={"model.precision": "f32"}).runtime_options().precision == "f32"
     with pytest.raises(ConfigError, match="precision"):
         load_config(overrides={"model.precision": "int4"})
+
+
+def test_kv_dtype_is_int8_with_w8a8_on_cpu_and_can_be_overridden(monkeypatch):
+    from core.device import choose_kv_dtype
+
+    monkeypatch.delenv("SLOTSERVE_KV_DTYPE", raising=False)
+    kv, reason = choose_kv_dtype(None, "w8a8")
+    assert kv == "int8" and "W8A8" in reason
+    assert choose_kv_dtype(None, "float") == (None, "the compute dtype")  # the f32 reference stays exact
+    assert choose_kv_dtype("compute", "w8a8") == (None, "override")
+    assert choose_kv_dtype("int8", "float") == ("int8", "override")
+    monkeypatch.setenv("SLOTSERVE_KV_DTYPE", "float32")
+    assert choose_kv_dtype(None, "w8a8") == ("float32", "$SLOTSERVE_KV_DTYPE")
+    with pytest.raises(ValueError, match="int4"):
+        choose_kv_dtype("int4", "w8a8")
+
+
+def test_server_config_and_cli_take_the_kv_dtype():
+    import argparse
+
+    from server.config import ConfigError, load_config
+    from server.run import config_overrides
+
+    assert load_config().runtime_options().kv_dtype is None  # chosen per device and precision
+    assert load_config(overrides={"model.kv_dtype": "compute"}).runtime_options().kv_dtype == "compute"
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        load_config(overrides={"model.kv_dtype": "int4"})
+    args = argparse.Namespace(host=None, port=None, redis_url=None, model=None, precision=None, kv_dtype="int8")
+    assert config_overrides(args) == {"model.kv_dtype": "int8"}

