@@ -412,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="server YAML (default: configs/default.yaml)")
     p.add_argument("--model", default=None, help="override the config's model")
     p.add_argument("--precision", default=None, help="override the config's precision (float | w8a8)")
+    p.add_argument("--kv-dtype", default=None,
+                   help="override the config's KV cache dtype (int8 | compute | float32 ...; default: by device)")
     p.add_argument("--speculative", choices=("on", "off"), default=None,
                    help="override scheduler.speculative (default: the config's, on for precision float)")
     p.add_argument("--slots", type=int, default=8, help="KV slots S (default 8)")
@@ -494,6 +496,8 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         overrides["model.name"] = args.model
     if args.precision:
         overrides["model.precision"] = args.precision
+    if args.kv_dtype:
+        overrides["model.kv_dtype"] = args.kv_dtype
     if args.speculative:
         overrides["scheduler.speculative"] = args.speculative == "on"
     config = load_config(args.config, overrides)
@@ -506,6 +510,7 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
     runtime.start()
     record["runtime"] = {**runtime.info(), "dtype_reason": runtime.dtype_reason,
                          "precision_reason": runtime.precision_reason,
+                         "kv_dtype_reason": runtime.kv_dtype_reason,
                          "speculative": runtime.scheduler.config.speculative,
                          "build_s": round(time.perf_counter() - begin, 1)}
     app = create_app(config, runtime=runtime)

@@ -18,9 +18,9 @@ DTYPE_ENV = "SLOTSERVE_DTYPE"
 PRECISION_ENV = "SLOTSERVE_PRECISION"
 PRECISION_ALIASES = {"float": "float", "f32": "float", "w8a8": "w8a8"}
 KV_DTYPE_ENV = "SLOTSERVE_KV_DTYPE"
-KV_DTYPES = ("compute", "int8", *("float32", "bfloat16", "float16"))
 CACHE_ENV = "SLOTSERVE_CACHE_DIR"
 VALID_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("compute", "int8", *VALID_DTYPES)
 
 
 def default_cache_dir() -> Path:
