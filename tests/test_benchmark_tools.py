@@ -41,3 +41,16 @@ def test_profile_run_writes_its_report(tmp_path):
     report = json.loads(out.read_text())
     assert report["bucket"] == 1024 and report["wall_ms_p50"] > 0
     assert report["trace"]["ops_per_step"] > 0 and report["trace"]["top_ops"]
+
+
+def test_llama_batched_bench_table_is_parsed():
+    from benchmarks.llama_prefill import parse_table
+
+    text = """main: n_kv_max = 4096
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |
+|-------|--------|------|--------|----------|----------|
+|    32 |      1 |    1 |     33 |    0.118 |   271.70 |
+|   512 |      1 |    1 |    513 |    1.717 |   298.27 |
+llama_perf_context_print: total time"""
+    rows = parse_table(text)
+    assert [(r["PP"], r["S_PP t/s"]) for r in rows] == [(32.0, 271.7), (512.0, 298.27)]
