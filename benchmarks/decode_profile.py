@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import engine as bench  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 
 
 def device_processes(trace: dict[str, Any]) -> dict[int, str]:
@@ -137,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "traced_wall_ms_per_step": round(traced_ms, 3),
         "trace": summarise(trace, trace_steps, extra["--top"]),
     }
-    out = Path(args.out or bench.RESULTS / "decode-profile.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    save_report(args.out or bench.RESULTS / "decode-profile.json", report, echo=False)
     t = report["trace"]
     print(f"wall p50 {report['wall_ms_p50']} ms, traced {traced_ms:.3f} ms/step; "
           f"device busy {t['busy_per_step_ms']} ms, op time {t['op_time_per_step_ms']} ms, "

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import save_report  # noqa: E402
 
 
 def parse_table(text: str) -> list[dict[str, float]]:
@@ -59,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_tokens_per_s": {str(int(r["PP"])): r["S_PP t/s"] for r in rows},
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(report, indent=2))
+    save_report(args.out, report)
     return 0
 
 

@@ -13,13 +13,16 @@ GB/s that the first reaches.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import save_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_int8_gops": round(ops / ms[first] / 1e6, 1),
         "first_table_gbps": round(args.vocab * args.hidden / ms[first] / 1e6, 2),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(report, indent=2))
+    save_report(args.out, report)
     return 0
 
 
