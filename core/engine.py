@@ -33,9 +33,9 @@ class EngineConfig:
     max_len: int = 8192
     chunk_sizes: tuple[int, ...] = (32, 128, 512)
     kv_dtype: str | None = None  # None: the compute dtype; "int8": quantized with per-position scales
-    # Decode programs by how far the global layers attend: each attends over cache positions [0, bucket),
-    # the smallest bucket that covers every active slot. None: powers of two from 1024 up to max_len;
-    # (): one program over max_len.
+    # Programs by how far the global layers attend: each attends over cache positions [0, bucket), the
+    # smallest bucket that covers every row (decode, verify, and prefill over what the slot holds; the name
+    # predates prefill using them). None: powers of two from 1024 up to max_len; (): one program over max_len.
     decode_buckets: tuple[int, ...] | None = None
     # Speculative verification width for a lone greedy stream: the last token plus up to width-1 drafted ones,
     # checked in one pass over one slot. None: num_slots (the token rows of one decode step, so a verify
@@ -105,17 +105,23 @@ class Engine:
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype, ring_slack=slack)
         self.cache = init_cache(cfg, self.spec)
         self.slot_ids = jax.device_put(np.arange(config.num_slots, dtype=np.int32))
-        self._prefill_fns = {
-            size: jax.jit(partial(_prefill_step, cfg=cfg), donate_argnums=(1,)) for size in config.chunk_sizes
-        }
         self.buckets = config.attention_buckets()
+        # Prefill reads the global caches only up to the bucket covering what the slot already holds, so a
+        # chunk near the start of a slot does not pay for attention over max_len masked positions.
+        self._prefill_fns = {
+            (size, attend): jax.jit(partial(_prefill_step, cfg=cfg, attend=attend), donate_argnums=(1,))
+            for size in config.chunk_sizes for attend in self.buckets
+        }
         self._decode_fns = {
             size: jax.jit(partial(_decode_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
         self._verify_fns = {
             size: jax.jit(partial(_verify_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
-        self._prefill_rows_fn = jax.jit(partial(_prefill_rows_step, cfg=cfg), donate_argnums=(1,))
+        self._prefill_rows_fns = {
+            attend: jax.jit(partial(_prefill_rows_step, cfg=cfg, attend=attend), donate_argnums=(1,))
+            for attend in self.buckets
+        }
         self._read_slot_fn = jax.jit(_read_slot)
         self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
         self._copy_fn = jax.jit(partial(_copy_prefix, cfg=cfg), donate_argnums=(0,))
@@ -145,16 +151,18 @@ class Engine:
         """Compile every step shape now; writes only to positions no request has claimed yet."""
         begin = time.perf_counter()
         jobs: list[tuple[str, Callable[[], Any]]] = [
-            (f"prefill chunk {size}", partial(self._prefill_chunk, 0, np.zeros(size, np.int32), 0, size))
-            for size in self.config.chunk_sizes
+            (f"prefill chunk {size} (attends {attend})",
+             partial(self._prefill_chunk, 0, np.zeros(size, np.int32), 0, size, attend))
+            for size in self.config.chunk_sizes for attend in self.buckets
         ]
         zeros = np.zeros(self.num_slots, np.int32)
         idle = np.zeros(self.num_slots, bool)
         for size in self.buckets:  # position size-1 selects that bucket; idle slots write nothing there
             at = np.full(self.num_slots, size - 1, np.int32)
             jobs.append((f"decode step (attends {size})", partial(self.decode, zeros, at, idle)))
-        jobs.append((f"batched prefill {self.num_slots} x {self.row_chunk}",
-                     partial(self.prefill_rows, [(0, np.zeros(1, np.int32), 0)])))
+        for attend in self.buckets:
+            jobs.append((f"batched prefill {self.num_slots} x {self.row_chunk} (attends {attend})",
+                         partial(self._prefill_rows, [(0, np.zeros(1, np.int32), 0)], attend)))
         if self.config.verify_tokens > 1:
             for size in self.buckets:
                 jobs.append((f"speculative verify (attends {size})",
@@ -216,12 +224,14 @@ class Engine:
         size = next(s for s in self.config.chunk_sizes if s >= len(tokens))
         return self._prefill_chunk(slot, np.asarray(tokens, np.int32), start, size)
 
-    def _prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, size: int) -> jax.Array:
+    def _prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, size: int,
+                       attend: int | None = None) -> jax.Array:
         n = len(tokens)
         padded = np.zeros((1, size), np.int32)
         padded[0, :n] = tokens
         ints = np.array([[start], [n], [slot]], np.int32)
-        logits, self.cache = self._prefill_fns[size](self.params, self.cache, padded, ints)
+        attend = attend or self.held_bucket(np.array([start]))
+        logits, self.cache = self._prefill_fns[(size, attend)](self.params, self.cache, padded, ints)
         return logits[0]
 
     @property
@@ -230,6 +240,9 @@ class Engine:
         return self.config.chunk_sizes[0]
 
     def prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]]) -> jax.Array:
+        return self._prefill_rows(pieces)
+
+    def _prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]], attend: int | None = None) -> jax.Array:
         """Prefill several slots in one call: pieces = (slot, tokens, start) with distinct slots and at most
         row_chunk tokens each (each slot holds 0..start-1). Returns logits [S, V] (device) at each listed
         slot's last token, so `sample` takes them as it takes a decode step's; other rows are garbage.
@@ -246,7 +259,8 @@ class Engine:
                 raise ValueError(f"positions {start}..{start + len(piece) - 1} exceed the slot length")
             tokens[slot, :len(piece)] = piece
             ints[0, slot], ints[1, slot] = start, len(piece)
-        logits, self.cache = self._prefill_rows_fn(self.params, self.cache, tokens, ints)
+        attend = attend or self.held_bucket(ints[0])
+        logits, self.cache = self._prefill_rows_fns[attend](self.params, self.cache, tokens, ints)
         return logits
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> jax.Array:
@@ -291,8 +305,15 @@ class Engine:
 
     def bucket_for(self, positions: np.ndarray) -> int:
         """The smallest attention bucket holding every position (idle slots sit at 0 or below the top)."""
-        top = int(np.max(positions)) + 1
-        return next((size for size in self.buckets if size >= top), self.buckets[-1])
+        return self._covering_bucket(int(np.max(positions)) + 1)
+
+    def held_bucket(self, starts: np.ndarray) -> int:
+        """The smallest bucket holding what every row's cache holds before a prefill (positions < start):
+        prefill attends over that part of the cache plus its own chunk's keys."""
+        return self._covering_bucket(int(np.max(starts)))
+
+    def _covering_bucket(self, length: int) -> int:
+        return next((size for size in self.buckets if size >= length), self.buckets[-1])
 
     # ---- sampling -------------------------------------------------------------------------------
     def begin_request(self, slot: int, params: SamplingParams, prompt_ids: list[int] | np.ndarray, seed: int) -> None:
@@ -375,13 +396,15 @@ class Engine:
         return n >= held - 1 or not has_sliding or held <= ring
 
 
-def _prefill_step(params, cache, tokens, ints, *, cfg: ModelConfig):
+def _prefill_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
     start, n_valid, slot = ints[0], ints[1], ints[2]
-    return forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False, logits_mode="last")
+    return forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False, logits_mode="last",
+                   attend=attend)
 
 
-def _prefill_rows_step(params, cache, tokens, ints, *, cfg: ModelConfig):
-    return forward(params, cache, tokens, ints[0], ints[1], ints[2], cfg=cfg, all_slots=True, logits_mode="last")
+def _prefill_rows_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
+    return forward(params, cache, tokens, ints[0], ints[1], ints[2], cfg=cfg, all_slots=True, logits_mode="last",
+                   attend=attend)
 
 
 def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig, attend: int):

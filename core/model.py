@@ -248,8 +248,9 @@ def forward(
     each row. all_slots: B equals the pool size and slots is arange(S), so the cache is used as is.
     logits_mode: "all" -> [B, T, V]; "last" -> [B, V] at each row's last real token;
     "hidden" -> the final normed hidden states [B, T, H].
-    attend: global layers read only cache positions [0, attend) (every row's positions must lie below it),
-    so a decode step's cost follows the longest active context, not max_len.
+    attend: global layers read only cache positions [0, attend) (every position a row reads from the cache must
+    lie below it: the positions it holds, plus its own chunk's when cache_only), so a step's attention cost
+    follows the longest context in it, not max_len.
     cache_only: write every new K/V into the cache first and attend over the cache alone (decode always does).
     For a chunk this needs rings with T-1 positions of slack (CacheSpec.ring_slack) so that writing the
     chunk never overwrites a position its first query still needs; the speculative verify step runs this
@@ -289,9 +290,9 @@ def forward(
             if write_first or not layer.is_sliding:  # a global cache has a distinct index per position
                 cache = write_chunk(cache, {layer.index: (k, v)}, cfg, positions, n_valid, slots)
         entry = cache[layer_key(layer.kv_source)]
-        cached = entry if all_slots else {name: arr[slots] for name, arr in entry.items()}
         if attend is not None and not layer.is_sliding and attend < entry["k"].shape[1]:
-            cached = {name: arr[:, :attend] for name, arr in cached.items()}
+            entry = {name: arr[:, :attend] for name, arr in entry.items()}
+        cached = entry if all_slots else {name: arr[slots] for name, arr in entry.items()}
         attn = attention(
             q, cached, positions, starts + n_valid if cache_only else starts,
             None if cache_only else (*new_kv[layer.kv_source], n_valid),

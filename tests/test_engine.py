@@ -85,6 +85,10 @@ def test_decode_bucket_is_the_smallest_covering_every_position(setup):
     assert engine.bucket_for(np.array([0, 15, 3])) == 16
     assert engine.bucket_for(np.array([0, 16, 3])) == 32
     assert engine.bucket_for(np.array([95, 0, 0])) == 96
+    # A prefill reads what the slots hold (positions below each start): a chunk from 0 or 16 reads 16 of them.
+    assert engine.held_bucket(np.array([0])) == 16
+    assert engine.held_bucket(np.array([16, 0])) == 16
+    assert engine.held_bucket(np.array([17, 3])) == 32
     assert EngineConfig(max_len=8192).attention_buckets() == (1024, 2048, 4096, 8192)
     assert EngineConfig(max_len=3000).attention_buckets() == (1024, 2048, 3000)
     assert EngineConfig(max_len=512).attention_buckets() == (512,)
