@@ -145,10 +145,10 @@ async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: 
     url = base_url.rstrip("/") + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         sessions = await asyncio.gather(*(one_session(client, url, model, i, max_tokens, t0) for i in range(n)))
-        wall = time.perf_counter() - t0
-    return {"wall_s": wall, "sessions": sessions}
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"wall_s": wall, "sessions": sessions, "client_cpu_s": cpu}
 
 
 def client_main(args: argparse.Namespace) -> int:
@@ -289,6 +289,32 @@ def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[st
             "tokens_per_s": round(s / p50, 3)}
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of each thread of this process, summed by name: a Python thread's
+    name, else "native:" + the OS thread name (XLA's compute pool, uvicorn's C parts...)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()  # from field 3 (state) on
+            comm = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task.name)) or f"native:{comm}"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], client_s: float, wall: float) -> dict[str, Any]:
+    """Where a wave's CPU time went: per server thread (seconds and share of the wall time) and the client."""
+    threads = {name: after[name] - before.get(name, 0.0) for name in after}
+    threads = {name: round(sec, 2) for name, sec in sorted(threads.items(), key=lambda kv: -kv[1]) if sec >= 0.01}
+    total = sum(threads.values())
+    return {"server_threads_s": threads, "server_total_s": round(total, 2), "client_process_s": round(client_s, 2),
+            "cores_busy_mean": round((total + client_s) / wall, 2) if wall else None}
+
+
 def wait_idle(scheduler: Any, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while scheduler.running or scheduler.waiting:
@@ -299,12 +325,13 @@ def wait_idle(scheduler: Any, timeout: float = 120) -> None:
 
 
 class LiveServer:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, http: str = "auto", loop: str = "auto") -> None:
         import uvicorn
 
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="on", timeout_graceful_shutdown=5))
+                                                    access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+                                                    http=http, loop=loop))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -370,6 +397,7 @@ def run_llama(args: argparse.Namespace, concurrency: list[int], record: dict[str
             for n in concurrency:
                 raw = wave_in_subprocess(url, "gemma", n, args.max_tokens, args.timeout)
                 wave = summarize_wave(raw, n, args.max_tokens)
+                wave["client_cpu_s"] = round(raw["client_cpu_s"], 2)
                 record["llama_cpp"]["waves"].append(wave)
                 log(f"llama.cpp N={n}: {wave['tokens_per_s']} tok/s, TTFT p50 {wave['ttft_ms_p50']} ms, "
                     f"ITL p50 {wave['inter_token_ms_p50']} ms, errors {wave['errors']}")
@@ -416,6 +444,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override the config's KV cache dtype (int8 | compute | float32 ...; default: by device)")
     p.add_argument("--speculative", choices=("on", "off"), default=None,
                    help="override scheduler.speculative (default: the config's, on for precision float)")
+    p.add_argument("--uvicorn-http", default="auto", choices=("auto", "h11", "httptools"),
+                   help="uvicorn's HTTP implementation (auto: httptools when installed, as `slotserve serve`)")
+    p.add_argument("--uvicorn-loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="uvicorn's event loop (auto: uvloop when installed, as `slotserve serve`)")
     p.add_argument("--slots", type=int, default=8, help="KV slots S (default 8)")
     p.add_argument("--max-len", type=int, default=2048,
                    help="positions per slot (default 2048, not the config's 8192: CPU compile and step stay modest)")
@@ -514,7 +546,7 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
                          "speculative": runtime.scheduler.config.speculative,
                          "build_s": round(time.perf_counter() - begin, 1)}
     app = create_app(config, runtime=runtime)
-    server = LiveServer(app).start()
+    server = LiveServer(app, args.uvicorn_http, args.uvicorn_loop).start()
     log(f"server ready at {server.url} ({runtime.info()})")
     timers = EngineTimers(runtime.engine)
     try:
@@ -532,8 +564,11 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
             wait_idle(runtime.scheduler)
             timers.reset()
             stats0 = runtime.scheduler.stats.as_dict()
+            cpu0 = thread_cpu_seconds()
             raw = wave_in_subprocess(server.url, args.agent, n, args.max_tokens, args.timeout)
+            cpu1 = thread_cpu_seconds()
             wave = summarize_wave(raw, n, args.max_tokens)
+            wave["cpu"] = cpu_split(cpu0, cpu1, raw.get("client_cpu_s", 0.0), raw["wall_s"])
             wave["server_time_split"] = timers.snapshot(raw["wall_s"])
             stats1 = runtime.scheduler.stats.as_dict()
             wave["scheduler_delta"] = {k: stats1[k] - stats0[k] for k in stats1 if stats1[k] != stats0[k]}
