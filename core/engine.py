@@ -23,6 +23,7 @@ from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, cache_length, init_cache, layer_key
 from core.model import cache_positions, forward
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
+from core.weights import all_matmuls_integer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,11 @@ class EngineConfig:
     # checked in one pass over one slot. None: num_slots (the token rows of one decode step, so a verify
     # costs about one step); 0: no verify program.
     verify_width: int | None = None
+    # Batched speculative verification: every slot checks its last token plus up to width-1 drafted ones in one
+    # pass ([num_slots, width] rows). Its rows equal decode steps bit for bit only where every product is exact
+    # whatever the row count (`Engine.rows_verify_exact`: W8A8 weights and int8 KV), so it is used only then.
+    # 0 or 1: no program.
+    rows_verify_width: int = 3
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
@@ -101,8 +107,10 @@ class Engine:
         self.config = config
         self.dtype = dtype
         # Verify chunks are written before they are read (exactly like decode), which needs ring slack.
-        slack = config.verify_tokens - 1 if config.verify_tokens > 1 else 0
+        slack = max(config.verify_tokens, config.rows_verify_width, 1) - 1
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype, ring_slack=slack)
+        self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
+                                  and all_matmuls_integer(params))
         self.cache = init_cache(cfg, self.spec)
         self.slot_ids = jax.device_put(np.arange(config.num_slots, dtype=np.int32))
         self.buckets = config.attention_buckets()
@@ -118,6 +126,10 @@ class Engine:
         self._verify_fns = {
             size: jax.jit(partial(_verify_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
+        self._verify_rows_fns = {
+            size: jax.jit(partial(_verify_rows_step, cfg=cfg, attend=size), donate_argnums=(1,))
+            for size in self.buckets
+        } if self.rows_verify_exact else {}
         self._prefill_rows_fns = {
             attend: jax.jit(partial(_prefill_rows_step, cfg=cfg, attend=attend), donate_argnums=(1,))
             for attend in self.buckets
@@ -167,6 +179,11 @@ class Engine:
             for size in self.buckets:
                 jobs.append((f"speculative verify (attends {size})",
                              partial(self._verify, 0, np.zeros(1, np.int32), max(size - self.config.verify_tokens, 0))))
+        for size in self._verify_rows_fns:
+            at = np.full(self.num_slots, max(size - self.config.rows_verify_width, 0), np.int32)
+            jobs.append((f"batched speculative verify {self.num_slots} x {self.config.rows_verify_width} "
+                         f"(attends {size})", partial(self._verify_rows, np.zeros((self.num_slots, 1), np.int32),
+                                                      at, np.zeros(self.num_slots, np.int32), size)))
         no_mask = np.full((self.num_slots, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
         logits = jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32)
         for needs_full in (False, True):
@@ -298,6 +315,44 @@ class Engine:
         greedy, accepted = jax.device_get((greedy, accepted))
         return [int(t) for t in greedy[: int(accepted) + 1]]
 
+    def verify_rows(self, pieces: list[tuple[int, list[int] | np.ndarray, int]]) -> dict[int, list[int]]:
+        """`verify` for several slots in one pass: pieces = (slot, [last token, draft_1, ..., draft_k], start)
+        with distinct slots and k < rows_verify_width (k = 0 is a plain greedy decode step for that slot).
+        Returns each listed slot's greedy tokens g_0..g_m as `verify` does. Only where `rows_verify_exact`,
+        and each chunk must lie within `rows_verify_room`."""
+        if not self.rows_verify_exact:
+            raise ValueError("batched verification needs W8A8 weights and an int8 KV cache (rows_verify_exact)")
+        width = self.config.rows_verify_width
+        tokens = np.zeros((self.num_slots, width), np.int32)
+        starts = np.zeros(self.num_slots, np.int32)
+        counts = np.zeros(self.num_slots, np.int32)
+        for slot, piece, start in pieces:
+            piece = np.asarray(piece, np.int32)
+            if not 1 <= len(piece) <= width or counts[slot]:
+                raise ValueError(f"slot {slot}: 1..{width} tokens once per call, got {len(piece)}")
+            if start < 0 or start + len(piece) > self.max_len:
+                raise ValueError(f"positions {start}..{start + len(piece) - 1} exceed the slot length {self.max_len}")
+            tokens[slot, :len(piece)] = piece
+            starts[slot], counts[slot] = start, len(piece)
+        listed = counts > 0
+        attend = self.bucket_for(starts[listed] + counts[listed] - 1)
+        greedy, accepted = self._verify_rows(tokens, starts, counts, attend)
+        return {slot: [int(t) for t in greedy[slot, :int(accepted[slot]) + 1]] for slot, _, _ in pieces}
+
+    def _verify_rows(self, tokens: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                     attend: int) -> tuple[np.ndarray, np.ndarray]:
+        padded = np.zeros((self.num_slots, self.config.rows_verify_width), np.int32)
+        padded[:, :tokens.shape[1]] = tokens
+        ints = np.stack([starts, counts, np.arange(self.num_slots, dtype=np.int32)]).astype(np.int32)
+        greedy, accepted, self.cache = self._verify_rows_fns[attend](self.params, self.cache, padded, ints)
+        return jax.device_get((greedy, accepted))
+
+    def rows_verify_room(self, starts: list[int]) -> list[int]:
+        """Tokens each slot may send to one `verify_rows` call with these starts (the positions each holds) so
+        that every chunk lies in the bucket a decode step over all of them uses (rows equal decode steps)."""
+        bucket = self.bucket_for(np.asarray(starts))
+        return [min(self.config.rows_verify_width, bucket - start) for start in starts]
+
     def verify_room(self, start: int) -> int:
         """How many tokens a verify step at `start` may take and still attend over the bucket a decode step
         at `start` uses (so its rows equal decode steps bit for bit)."""
@@ -426,6 +481,14 @@ def _verify_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
                             logits_mode="all", attend=attend, cache_only=True)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
+
+
+def _verify_rows_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
+    starts, n_valid, slots = ints[0], ints[1], ints[2]
+    logits, cache = forward(params, cache, tokens, starts, n_valid, slots, cfg=cfg, all_slots=True,
+                            logits_mode="all", attend=attend, cache_only=True)
+    greedy = jnp.argmax(logits, axis=-1)
+    return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
 
 
 def _sample_row(logits, state: SamplerState, slot, step, mask):

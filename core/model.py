@@ -281,14 +281,20 @@ def forward(
         cos, sin = ropes[(layer.kind, layer.head_dim)]
         x = rms_norm(h, lp["input_layernorm"], eps)
         q_raw, k_raw, v = project_qkv(x, lp, layer, cfg.num_heads)
-        q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
         if layer.owns_cache:
-            k = apply_rope(rms_norm(k_raw, lp["k_norm"], eps), cos, sin)
+            # Query and key heads are normed and rotated as one array: the key heads alone are few rows, and
+            # XLA's CPU reduction then rounds differently by row count (decode vs verify chunks would differ).
+            nh, kh, d = q_raw.shape[2], k_raw.shape[2], q_raw.shape[3]
+            scale = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (nh, d)), jnp.broadcast_to(lp["k_norm"], (kh, d))])
+            heads = apply_rope(rms_norm(jnp.concatenate([q_raw, k_raw], axis=2), scale, eps), cos, sin)
+            q, k = heads[:, :, :nh], heads[:, :, nh:]
             if cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
             new_kv[layer.index] = (k, v)
             if write_first or not layer.is_sliding:  # a global cache has a distinct index per position
                 cache = write_chunk(cache, {layer.index: (k, v)}, cfg, positions, n_valid, slots)
+        else:
+            q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
         entry = cache[layer_key(layer.kv_source)]
         if attend is not None and not layer.is_sliding and attend < entry["k"].shape[1]:
             entry = {name: arr[:, :attend] for name, arr in entry.items()}

@@ -196,6 +196,15 @@ def to_w8a8(params: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
+def all_matmuls_integer(params: dict[str, Any]) -> bool:
+    """Whether every matrix the model multiplies by is W8A8 storage: int8 x int8 -> int32 products are exact,
+    so a row's result does not depend on how many rows share the matmul (float GEMMs may block, and so round,
+    differently by shape)."""
+    trees = [{k: v for k, v in params.items() if k != "layers"}, *params["layers"]]
+    return all(isinstance(value, dict) and "qa8" in value
+               for tree in trees for key, value in tree.items() if key in INT8_TARGETS and value is not None)
+
+
 def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
     """Each layer's q/k/v matrices stacked into one "qkv_proj" and gate/up into one "gate_up_proj" (rows
     concatenated; the model splits the product). Two matmuls per layer instead of five: on CPU every op

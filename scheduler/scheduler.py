@@ -46,6 +46,7 @@ from scheduler.speculation import propose_draft, speculation_allowed
 from scheduler.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
+ROWS_VERIFY_COST_PRIOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,9 @@ class SchedulerConfig:
     host_tier_bytes: int = 2 * 2**30
     min_snapshot_tokens: int = 16  # contexts shorter than this are cheaper to recompute than to store
     # A lone plain-greedy stream runs prompt-lookup speculative steps (engine.verify) instead of decode steps:
-    # same tokens, often several per step (scheduler/speculation.py).
+    # same tokens, often several per step (scheduler/speculation.py). Several plain-greedy streams share a
+    # batched verify step (engine.verify_rows, where the engine's products are exact) when their drafts
+    # promise more tokens per second than a decode step.
     speculative: bool = True
 
 
@@ -79,6 +82,7 @@ class SchedulerStats:
     cancelled: int = 0
     batched_prefills: int = 0  # calls that prefilled several short prompts at once (engine.prefill_rows)
     speculative_steps: int = 0  # verify steps (each also counted in decode_steps)
+    batched_speculative_steps: int = 0  # of those, batched over several streams (engine.verify_rows)
     draft_tokens: int = 0  # drafted tokens sent to verify steps
     accepted_draft_tokens: int = 0  # of those, accepted (tokens gained over plain decode steps)
 
@@ -108,6 +112,9 @@ class Scheduler:
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # Wall seconds of recent decode steps and batched verify steps (moving averages), for the choice
+        # between them; None until measured.
+        self._step_seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
 
     # ---- caller side (any thread) ----------------------------------------------------------
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
@@ -396,8 +403,9 @@ class Scheduler:
     def _decode(self) -> None:
         running = [slot.sequence for slot in self.slots
                    if slot.sequence is not None and slot.sequence.state is SeqState.DECODING]
-        if not running or (len(running) == 1 and self._speculate(running[0])):
+        if not running or (self._speculate(running[0]) if len(running) == 1 else self._speculate_rows(running)):
             return
+        begin = time.perf_counter()
         s = self.engine.num_slots
         tokens, positions, steps = (np.zeros(s, np.int32) for _ in range(3))
         active = np.zeros(s, bool)
@@ -414,17 +422,25 @@ class Scheduler:
             fill_masks(constrained, mask)
         result = self.engine.sample(logits, active, steps, mask=mask,
                                     needs_full=batch_needs_full(q.request.sampling for q in running))
+        self._record_step("decode", begin)
         self.stats.decode_steps += 1
         for seq in running:
             self.slots[seq.slot].tokens.append(int(tokens[seq.slot]))
             self._accept(seq, result, seq.slot)
 
+    def _record_step(self, kind: str, begin: float) -> None:
+        seconds = time.perf_counter() - begin
+        last = self._step_seconds[kind]
+        self._step_seconds[kind] = seconds if last is None else 0.8 * last + 0.2 * seconds
+
+    def _may_speculate(self, seq: Sequence) -> bool:
+        request = seq.request
+        return self.config.speculative and speculation_allowed(request.sampling, request.constraint is not None,
+                                                               request.want_logprobs)
+
     def _speculate(self, seq: Sequence) -> bool:
         """One verify step for a lone eligible stream, if the context suggests a draft; False: decode as usual."""
-        width = self.engine.config.verify_tokens
-        request = seq.request
-        if (not self.config.speculative or width < 2
-                or not speculation_allowed(request.sampling, request.constraint is not None, request.want_logprobs)):
+        if self.engine.config.verify_tokens < 2 or not self._may_speculate(seq):
             return False
         slot = self.slots[seq.slot]
         start = slot.held
@@ -437,17 +453,54 @@ class Scheduler:
         out = self.engine.verify(seq.slot, inputs, start)
         self.stats.decode_steps += 1
         self.stats.speculative_steps += 1
-        self.stats.draft_tokens += len(draft)
+        self._accept_verified(seq, inputs, out)
+        return True
+
+    def _speculate_rows(self, running: list[Sequence]) -> bool:
+        """One batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
+        when the drafts' expected accepted tokens per second beat a decode step's; False: decode as usual."""
+        if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
+            return False
+        starts = [self.slots[seq.slot].held for seq in running]
+        drafts = [propose_draft(seq.prompt + tuple(seq.generated), min(room, seq.max_tokens - len(seq.generated)) - 1)
+                  for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
+        expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
+                       for seq, draft in zip(running, drafts, strict=True))
+        if expected <= len(running) * self._rows_verify_cost():
+            return False
+        begin = time.perf_counter()
+        inputs = [[seq.generated[-1], *draft] for seq, draft in zip(running, drafts, strict=True)]
+        out = self.engine.verify_rows([(seq.slot, row, start)
+                                       for seq, row, start in zip(running, inputs, starts, strict=True)])
+        self._record_step("verify_rows", begin)
+        self.stats.decode_steps += 1
+        self.stats.speculative_steps += 1
+        self.stats.batched_speculative_steps += 1
+        for seq, row in zip(running, inputs, strict=True):
+            self._accept_verified(seq, row, out[seq.slot])
+        return True
+
+    def _rows_verify_cost(self) -> float:
+        """A batched verify step's time over a decode step's: measured once both ran, else a prior (about 1.5
+        on a 2-core CPU at 8 slots x 3 tokens)."""
+        decode, verify = self._step_seconds["decode"], self._step_seconds["verify_rows"]
+        return verify / decode if decode and verify else ROWS_VERIFY_COST_PRIOR
+
+    def _accept_verified(self, seq: Sequence, inputs: list[int], out: list[int]) -> None:
+        """Deliver a verify step's tokens: out[i] follows inputs[i]; stops early if the sequence finishes."""
+        self.stats.draft_tokens += len(inputs) - 1
         self.stats.accepted_draft_tokens += len(out) - 1
+        seq.drafted += len(inputs) - 1
+        seq.accepted += len(out) - 1
         n = len(out)
         result = SampleResult(np.asarray(out, np.int32), np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
                               np.zeros((n, 0), np.float32))
+        slot = self.slots[seq.slot]
         for row, token in enumerate(inputs[:n]):
             slot.tokens.append(token)  # the token whose K/V this step wrote
             self._accept(seq, result, row)
             if seq.state is SeqState.FINISHED:
                 break
-        return True
 
     def _accept(self, seq: Sequence, result: SampleResult, row: int) -> None:
         token = int(result.tokens[row])

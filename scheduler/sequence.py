@@ -36,6 +36,13 @@ class Sequence:
     admitted_at: float | None = None
     first_token_at: float | None = None
     snapshot_points: list[int] = field(default_factory=list)  # prompt positions to save to the host tier
+    drafted: int = 0  # speculative draft tokens verified for this sequence
+    accepted: int = 0  # of those, accepted
+
+    @property
+    def draft_acceptance(self) -> float:
+        """Estimated chance that a drafted token is accepted (Laplace's rule over this sequence's history)."""
+        return (self.accepted + 1) / (self.drafted + 2)
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -287,6 +287,52 @@ def test_speculative_verify_with_int8_kv_gives_exactly_the_plain_greedy_tokens(s
     assert got[:len(want)] == want
 
 
+def test_batched_verify_gives_exactly_the_plain_greedy_tokens_of_every_slot(setup):
+    """W8A8 weights and int8 KV (the CPU default): every product is integer, so a slot's rows in a batched
+    verify ([slots, width]) compute what the decode step over all slots computes. Slots at different
+    positions, through ring wraps and bucket boundaries, with right, wrong and no drafts, get exactly the
+    tokens that plain decode steps with every slot active give."""
+    from core.weights import to_w8a8
+
+    cfg, engine, _ = setup
+    config = EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS, kv_dtype="int8",
+                          decode_buckets=BUCKETS, verify_width=VERIFY, rows_verify_width=3)
+    params = to_w8a8(engine.params)
+    plain, spec = Engine(cfg, params, config, "float32"), Engine(cfg, params, config, "float32")
+    assert spec.rows_verify_exact and not engine.rows_verify_exact
+    rng = np.random.default_rng(41)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (W + 2, 5, 2 * W + 3)]
+    total = 3 * W
+    want = [[int(np.argmax(np.asarray(plain.prefill(s, p, 0))))] for s, p in enumerate(prompts)]
+    while min(len(w) for w in want) < total + 3:
+        positions = np.array([len(p) + len(w) - 1 for p, w in zip(prompts, want, strict=True)], np.int32)
+        logits = np.asarray(plain.decode(np.array([w[-1] for w in want], np.int32), positions, np.ones(SLOTS, bool)))
+        for s in range(SLOTS):
+            want[s].append(int(np.argmax(logits[s])))
+    got = [[int(np.argmax(np.asarray(spec.prefill(s, p, 0))))] for s, p in enumerate(prompts)]
+    step = 0
+    while min(len(g) for g in got) < total:
+        starts = [len(p) + len(g) - 1 for p, g in zip(prompts, got, strict=True)]
+        pieces = []
+        for s, room in enumerate(spec.rows_verify_room(starts)):
+            n_right = min((step + s) % 3, room - 1)  # 0, 1 or 2 right drafts, then wrong ones
+            right = want[s][len(got[s]):len(got[s]) + n_right]
+            wrong = [int(t) for t in rng.integers(3, cfg.vocab_size, size=room - 1 - len(right))]
+            pieces.append((s, [got[s][-1], *right, *wrong][:room], starts[s]))
+        out = spec.verify_rows(pieces)
+        for s in range(SLOTS):
+            assert 1 <= len(out[s]) <= len(pieces[s][1])
+            got[s] += out[s]
+        step += 1
+    for s in range(SLOTS):
+        assert got[s][:total] == want[s][:total], f"slot {s}"
+    assert step < total  # drafts were accepted: fewer passes than tokens
+    with pytest.raises(ValueError, match="W8A8"):
+        engine.verify_rows([(0, [1], 0)])
+    with pytest.raises(ValueError, match="once per call"):
+        spec.verify_rows([(0, [1, 2, 3, 4], 0)])
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_slot_and_neighbours(setup):
     from core.generate import GenerationRequest, generate
     from core.sampling import SamplingParams

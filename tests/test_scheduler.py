@@ -291,6 +291,53 @@ def test_lone_greedy_stream_speculates_and_yields_exactly_the_plain_tokens(engin
         assert again[2].usage.cached_tokens >= len(prompt)
 
 
+@pytest.fixture(scope="module")
+def exact_engine(engine):
+    """The CPU serving default: W8A8 weights and int8 KV, where batched verification is exact."""
+    from core.weights import to_w8a8
+
+    eng = Engine(engine.cfg, to_w8a8(engine.params), EngineConfig(num_slots=8, max_len=160, chunk_sizes=(4, 16),
+                                                                   kv_dtype="int8"), "float32")
+    eng.warmup()
+    return eng
+
+
+def test_greedy_streams_share_batched_verify_steps_and_yield_exactly_the_plain_tokens(exact_engine, tokenizer):
+    """Five plain-greedy streams (repetitive prompts, so prompt lookup drafts) run batched verify steps; every
+    output equals plain decoding's, including lengths that end inside a multi-token step. With one sampled
+    stream among them, nobody speculates in a batch (the sampled one needs the sampler) and outputs still match."""
+    engine = exact_engine
+    assert engine.rows_verify_exact
+    prompts = [ids(60 + i, 6 + i) * 4 for i in range(5)]
+    lengths = [30, 9, 17, 30, 5]
+    for sampled in (False, True):
+        if sampled:  # the sampled stream is prefilled first and outlives the greedy ones
+            lengths[0] = 40
+        reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+        if sampled:
+            reqs[0] = request(prompts[0], max_tokens=40, sampling=SamplingParams(temperature=0.8, seed=7))
+        plain_sched = make(engine, tokenizer, speculative=False, prefix_caching=False)
+        plain = run_all(plain_sched, reqs)
+        sched = make(engine, tokenizer, prefix_caching=False)
+        spec = run_all(sched, reqs)
+        for got, want, n in zip(spec, plain, lengths, strict=True):
+            assert got[0] == want[0] and len(got[0]) == n and got[1] == want[1]
+            assert got[2].reason is want[2].reason is FinishReason.LENGTH
+        if sampled:
+            assert sched.stats.batched_speculative_steps == 0
+        else:
+            assert sched.stats.batched_speculative_steps > 0 and sched.stats.accepted_draft_tokens > 0
+            assert sched.stats.decode_steps < plain_sched.stats.decode_steps
+
+
+def test_no_batched_verify_where_products_are_not_exact(engine, tokenizer):
+    """float32 GEMMs may round differently by row count, so the float engine never verifies in a batch."""
+    assert not engine.rows_verify_exact
+    sched = make(engine, tokenizer)
+    run_all(sched, [request(ids(70 + i, 8) * 3, max_tokens=8) for i in range(3)])
+    assert sched.stats.batched_speculative_steps == 0
+
+
 def test_no_speculation_for_sampled_or_logprob_streams(engine, tokenizer):
     from scheduler.speculation import speculation_allowed
 
