@@ -58,7 +58,8 @@ class _SchedulerCollector(Collector):
             ("rejected_queue_full", "requests refused because the queue was full"),
             ("cancelled", "requests cancelled (client gone or shutdown)"),
             ("batched_prefills", "calls that prefilled several short prompts at once"),
-            ("speculative_steps", "speculative verify steps (a lone greedy stream)"),
+            ("speculative_steps", "speculative verify steps (a lone greedy stream, or batched)"),
+            ("batched_speculative_steps", "speculative verify steps batched over several greedy streams"),
             ("draft_tokens", "prompt-lookup draft tokens verified"),
             ("accepted_draft_tokens", "draft tokens accepted (tokens gained over plain decode steps)"),
         ):

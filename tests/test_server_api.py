@@ -409,7 +409,7 @@ def test_metrics_expose_the_names(server, client):
                  "slotserve_slots_busy", "slotserve_slot_occupancy_ratio", "slotserve_queue_depth",
                  "slotserve_prefix_cache_hit_ratio", "slotserve_cached_prompt_tokens_total", "slotserve_ready 1.0",
                  "slotserve_scheduler_speculative_steps_total", "slotserve_scheduler_accepted_draft_tokens_total",
-                 "slotserve_scheduler_batched_prefills_total"):
+                 "slotserve_scheduler_batched_prefills_total", "slotserve_scheduler_batched_speculative_steps_total"):
         assert name in text, name
     assert 'slotserve_model_info{' in text and 'dtype="float32"' in text and 'precision="w8a8"' in text
     assert 'kv_dtype="int8"' in text and 'kv_dtype_reason="test"' in text
