@@ -257,14 +257,14 @@ class Engine:
         return self.config.chunk_sizes[0]
 
     def prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]]) -> jax.Array:
-        return self._prefill_rows(pieces)
-
-    def _prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]], attend: int | None = None) -> jax.Array:
         """Prefill several slots in one call: pieces = (slot, tokens, start) with distinct slots and at most
         row_chunk tokens each (each slot holds 0..start-1). Returns logits [S, V] (device) at each listed
         slot's last token, so `sample` takes them as it takes a decode step's; other rows are garbage.
         One call costs about S x row_chunk tokens of compute, so it pays when many short prompts (chat
         turns after a prefix-cache hit) arrive together."""
+        return self._prefill_rows(pieces)
+
+    def _prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]], attend: int | None = None) -> jax.Array:
         tokens = np.zeros((self.num_slots, self.row_chunk), np.int32)
         ints = np.zeros((3, self.num_slots), np.int32)
         ints[2] = np.arange(self.num_slots)

@@ -330,6 +330,19 @@ def test_greedy_streams_share_batched_verify_steps_and_yield_exactly_the_plain_t
             assert sched.stats.decode_steps < plain_sched.stats.decode_steps
 
 
+def test_batched_verify_is_skipped_when_it_costs_more_than_its_drafts_gain(exact_engine, tokenizer):
+    """The same repetitive streams, but batched verify passes measured 50x a decode step: no expected
+    acceptance pays for that, so the streams decode step by step together, with the same outputs."""
+    reqs = [request(ids(60 + i, 6 + i) * 4, max_tokens=12) for i in range(3)]
+    plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
+    sched = make(exact_engine, tokenizer, prefix_caching=False)
+    sched._step_seconds = {"decode": 0.01, "verify_rows": 0.5}  # as if both had been measured
+    assert sched._rows_verify_cost() == 50
+    got = run_all(sched, reqs)
+    assert [g[0] for g in got] == [p[0] for p in plain]
+    assert sched.stats.batched_speculative_steps == 0  # (a stream left alone may still verify on its own)
+
+
 def test_no_batched_verify_where_products_are_not_exact(engine, tokenizer):
     """float32 GEMMs may round differently by row count, so the float engine never verifies in a batch."""
     assert not engine.rows_verify_exact

@@ -216,8 +216,13 @@ def test_fused_projections_give_the_same_logits(family, precision):
     ids = np.random.default_rng(13).integers(3, cfg.vocab_size, size=(1, 20))
     with jax.disable_jit():  # op by op, so that fusion differences between the two programs cannot enter
         got, want = logits_for(cfg, fused, ids), logits_for(cfg, params, ids)
-    # W8A8 products are integer, so stacking changes nothing but float epilogues; float32 GEMMs of another
-    # width may block, and so round, differently (on AVX-512 hosts the stacked Gemma 4 model drifts 1.5e-5 of
-    # the largest logit through its layers). A wrong slice or scale would be off by O(1).
-    rel = 1e-5 if precision == "w8a8" else 1e-4
-    np.testing.assert_allclose(got, want, atol=rel * max(1.0, np.abs(want).max()), rtol=0)
+    scale = max(1.0, np.abs(want).max())
+    if precision == "w8a8":  # integer products: stacking changes nothing but float epilogues
+        np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=0)
+        return
+    # float32 GEMMs of another width may block, and so round, differently, and how much depends on the host's
+    # kernels (AVX-512 hosts: 1.5e-5 of the largest logit on the Gemma 4 model). The bound is this host's own
+    # float32 noise on the same model (the unfused model compiled against op by op), never below the fixed
+    # 1e-5 bound of AVX2 hosts; a wrong slice or scale would be off by O(1).
+    noise = np.abs(logits_for(cfg, params, ids) - want).max()
+    np.testing.assert_allclose(got, want, atol=4 * max(noise, 2.5e-6 * scale), rtol=0)
