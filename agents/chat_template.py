@@ -2,8 +2,9 @@
 (`agents.jinja_template`), else the built-in Gemma turn template (`agents.gemma_template`).
 
 Both paths keep user text out of control tokens, and both report ``system_end``: the number of leading
-ids fixed by the agent's system prompt (and tools), which every session of the agent shares exactly, so
-the scheduler can treat it as a prefix-cache hint.
+ids fixed by the agent's system prompt (and tools), which every session of the agent shares exactly, and
+``boundaries``: where the system text and each message end, the points later turns and sessions resume at
+(the scheduler ends prefill chunks there).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class RenderedPrompt:
     ids: list[int]
     system_end: int
     text_preview: str
+    boundaries: tuple[int, ...] = ()  # sorted positions in (0, len(ids)) where a message ends
 
 
 class PromptTooLongError(ValueError):
@@ -72,24 +74,26 @@ class ChatTemplate:
         Raises `TemplateError` / `MessageError` (both ValueError) for unrenderable input and
         `PromptTooLongError` past ``max_prompt_tokens`` (the agent's context_limit)."""
         if self._jinja is not None:
-            ids, system_end = self._jinja.render(
+            ids, system_end, boundaries = self._jinja.render(
                 self.tokenizer, system_prompt, messages, tools=tools, add_generation_prompt=add_generation_prompt
             )
         else:
-            ids, system_end = render_gemma(
+            ids, system_end, boundaries = render_gemma(
                 self.tokenizer, system_prompt, messages, tools=tools, add_generation_prompt=add_generation_prompt
             )
-        return self._finish(ids, system_end, max_prompt_tokens)
+        return self._finish(ids, system_end, max_prompt_tokens, boundaries)
 
     def render_completion(self, prompt: str, *, max_prompt_tokens: int | None = None) -> RenderedPrompt:
         """The plain completions API: BOS (when the vocabulary has one) + the text, parsing off."""
         bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
         return self._finish(bos + self.tokenizer.encode(prompt, parse_special=False), 0, max_prompt_tokens)
 
-    def _finish(self, ids: list[int], system_end: int, max_prompt_tokens: int | None) -> RenderedPrompt:
+    def _finish(self, ids: list[int], system_end: int, max_prompt_tokens: int | None,
+                boundaries: list[int] = ()) -> RenderedPrompt:
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             raise PromptTooLongError(len(ids), max_prompt_tokens)
-        return RenderedPrompt(ids, system_end, self._preview(ids))
+        inside = tuple(sorted({b for b in (system_end, *boundaries) if 0 < b < len(ids)}))
+        return RenderedPrompt(ids, system_end, self._preview(ids), inside)
 
     def _preview(self, ids: list[int]) -> str:
         # Decode only the ends of a long prompt: the preview is for logs, and this runs per request.

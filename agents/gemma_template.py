@@ -90,9 +90,10 @@ def render_gemma(
     *,
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
-) -> tuple[list[int], int]:
-    """(prompt ids, system_end): system_end counts the leading ids fixed by ``system_prompt`` and
-    ``tools`` alone, so all sessions of one agent share exactly that prefix."""
+) -> tuple[list[int], int, list[int]]:
+    """(prompt ids, system_end, boundaries): system_end counts the leading ids fixed by ``system_prompt`` and
+    ``tools`` alone, so all sessions of one agent share exactly that prefix; boundaries are where the system
+    text and each turn end (a later request of the conversation repeats the ids before each)."""
     messages = normalize_messages(messages)
     # Leading system messages from the client extend the system text, after the agent's own.
     lead = 0
@@ -117,9 +118,11 @@ def render_gemma(
             b.text(_SEPARATOR)
         if i + 1 == len(agent_system):
             system_end = len(b.ids)
+    boundaries = [system_end, len(b.ids)]
     if not opens_with_user:  # the opening user turn holds only the system text (if any)
         b.control("<end_of_turn>")
         b.text("\n")
+        boundaries.append(len(b.ids))
 
     for n, (side, texts) in enumerate(turns):
         if n > 0 or not opens_with_user:  # the first user turn was opened above
@@ -131,7 +134,8 @@ def render_gemma(
             b.text(text)
         b.control("<end_of_turn>")
         b.text("\n")
+        boundaries.append(len(b.ids))
     if add_generation_prompt:
         b.control("<start_of_turn>")
         b.text("model\n")
-    return b.ids, system_end
+    return b.ids, system_end, boundaries

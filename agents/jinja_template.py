@@ -88,8 +88,9 @@ class SandboxedChatTemplate:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
-    ) -> tuple[list[int], int]:
-        """(prompt ids, system_end): system_end ends right after the agent's system prompt's ids."""
+    ) -> tuple[list[int], int, list[int]]:
+        """(prompt ids, system_end, boundaries): system_end ends right after the agent's system prompt's ids;
+        boundaries are where each message's content ends."""
         messages = normalize_messages(messages)
         nonce = secrets.token_hex(8)
         contents: list[list[str]] = []  # per sentinel: pieces tokenized separately (parsing off)
@@ -165,9 +166,10 @@ def _check_plain(tok: Tokenizer, value: Any, where: str) -> None:
 
 def _splice(
     tok: Tokenizer, text: str, nonce: str, contents: list[list[str]], agent_pieces: int
-) -> tuple[list[int], int]:
+) -> tuple[list[int], int, list[int]]:
     parts = re.split(f"SLOTSERVE{nonce}C(\\d+)E", text)
     ids: list[int] = []
+    boundaries: list[int] = []
     system_end = 0
     seen_other = False
     for n, part in enumerate(parts):
@@ -186,4 +188,5 @@ def _splice(
             if index == 0 and k == 0 and agent_pieces and not seen_other:
                 system_end = len(ids)
         seen_other = seen_other or index != 0
-    return ids, system_end
+        boundaries.append(len(ids))
+    return ids, system_end, boundaries

@@ -124,6 +124,7 @@ class Runtime:
             "kv_dtype": self.kv_dtype,
             "slots": str(self.num_slots),
             "max_len": str(self.max_len),
+            "kv_bytes_per_slot": str(self.engine.bytes_per_slot),
             "grammar_backend": self.compiler.backend,
         }
 
@@ -196,8 +197,8 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
                     model.dtype)
     if progress:
         progress(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: "
-                 f"{kv_reason}), "
-                 f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB; compute {model.dtype} "
+                 f"{kv_reason}), {engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
+                 f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
                  f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})")
     engine.warmup((lambda name, done, total: progress(f"compiling [{done}/{total}] {name}")) if progress else None)
     return assemble_runtime(engine, model.tokenizer, options, model_name=str(options.model),
@@ -237,6 +238,7 @@ class ChatParams:
     ignore_eos: bool = False
     session_id: str | None = None
     user: str | None = None
+    cache_salt: str | None = None  # requests share cached KV only with the same salt (vLLM's API)
 
 
 class InvalidRequestError(ValueError):
@@ -486,7 +488,8 @@ class ChatService:
             session=f"{agent.name}:{p.session_id}" if p.session_id else None,
             agent=agent.name,
             priority=agent.priority,
-            cache_hints=(rendered.system_end,) if rendered.system_end else (),
+            boundaries=rendered.boundaries,
+            cache_salt=p.cache_salt,
             want_logprobs=p.logprobs,
             constraint=constraint,
         )

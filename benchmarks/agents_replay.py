@@ -24,7 +24,7 @@ prompt of turn t is plain token concatenation with chat-like separators (no chat
 SYSTEM is padded/truncated so that the whole first line is exactly --system-tokens; USER_k is exactly
 --user-tokens. Greedy decoding (temperature 0) with ignore_eos, so every request generates exactly --max-tokens
 and both modes do the same work. Requests carry session=<agent>/<session>, agent=<agent> and
-cache_hints=(len(system),).
+boundaries=(len(system),).
 
 Each mode is a fresh Scheduler over the same Engine (compiled once by warmup(), then an untimed warm pass
 through a throwaway scheduler): a new scheduler starts with an empty slot table and an empty host tier and
@@ -246,7 +246,7 @@ def session_worker(sched: Any, spec: SessionSpec, seps: dict[str, list[int]], ar
         try:
             request = GenerationRequest(prompt_ids=tuple(prompt), sampling=greedy, max_tokens=args.max_tokens,
                                         ignore_eos=True, session=spec.session, agent=spec.agent,
-                                        cache_hints=(len(spec.system),))
+                                        boundaries=(len(spec.system),))
             record.submitted = time.perf_counter()
             handle = sched.submit(request)
             for event in handle.events(timeout=args.event_timeout):
@@ -335,7 +335,7 @@ def replay(engine: Any, tokenizer: Any, specs: list[SessionSpec], seps: dict[str
                       and "ttft_s" in r.server_timings)
     lag = [r.token_times[0] - r.submitted - r.server_timings["ttft_s"] for r in records
            if r.token_times and r.server_timings and "ttft_s" in r.server_timings]
-    stats = sched.stats.as_dict()
+    stats = sched.counters()
     errors = [f"{r.session} turn {r.turn}: {r.error}" for r in records if r.error]
     expected = len(specs) * args.turns
     if len(records) < expected:

@@ -42,14 +42,15 @@ if str(ROOT) not in sys.path:
 
 RESULTS = ROOT / "benchmarks" / "results"
 CONTEXT_NOTE = (
-    "slots were not prefilled before decode timing: the decode step is static-shaped over the whole KV pool "
-    "(global layers read max_len positions of every slot, sliding layers their whole ring) and masks by "
-    "position, so cache contents and context length do not change its cost; positions were set to the context"
+    "slots were not prefilled before decode timing: a decode step reads every slot's global-layer cache up to "
+    "the attention bucket covering the context and a fixed-length ring view of each sliding layer, and masks "
+    "by position, so cache contents do not change its cost; positions were set to the context"
 )
 ROOFLINE_NOTE = (
     "bytes per decode step = streamed parameter bytes (all parameters except tables only gathered by token: "
     "the per-layer-embedding table, and the input embedding when it is not tied to the output projection) "
-    "+ the whole KV pool (decode reads every slot's cache); naive = all parameter bytes + KV pool"
+    "+ the KV a step at the largest context reads (every slot's global layers over max_len positions, its "
+    "sliding layers over their ring view); naive = all parameter bytes + the whole KV pool"
 )
 
 
@@ -364,6 +365,22 @@ def streamed_param_bytes(params: dict[str, Any]) -> int:
     return param_bytes(params) - sum(param_bytes({"t": t}) for t in gathered if t is not None)
 
 
+def decode_kv_read_bytes(engine: Any) -> int:
+    """KV bytes a decode step at the largest context reads: global layers all max_len positions of every slot,
+    sliding layers their ring view (core.kv_cache.ring_view_length)."""
+    from core.kv_cache import layer_key, ring_view_length
+
+    cfg, total = engine.cfg, 0
+    ring_width = max(engine.config.verify_tokens, engine.config.rows_verify_width, 1)
+    for layer in cfg.cache_owners:
+        entry = engine.cache[layer_key(layer.index)]
+        per_position = sum(a.size * a.dtype.itemsize for a in entry.values()) // engine.max_len
+        length = ring_view_length(cfg.sliding_window, engine.max_len, 1, ring_width) if layer.is_sliding \
+            else engine.max_len
+        total += per_position * length
+    return total
+
+
 def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, model: dict[str, Any],
                   result: dict[str, Any]) -> Any:
     """Build and warm up one engine; sizes, memory and compile time go into `result`."""
@@ -384,7 +401,8 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
     engine = Engine(cfg, params, config, dtype)
     kv_total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(engine.cache))
     result.update({"bytes_per_slot": engine.bytes_per_slot, "kv_total_bytes": kv_total,
-                   "bytes_per_decode_step": streamed_param_bytes(params) + kv_total,
+                   "kv_read_bytes_per_decode_step": decode_kv_read_bytes(engine),
+                   "bytes_per_decode_step": streamed_param_bytes(params) + decode_kv_read_bytes(engine),
                    "memory_before_warmup": memory_snapshot()})
 
     def progress(name: str, done: int, total: int) -> None:

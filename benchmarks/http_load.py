@@ -579,14 +579,14 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         for n in concurrency:
             wait_idle(runtime.scheduler)
             timers.reset()
-            stats0 = runtime.scheduler.stats.as_dict()
+            stats0 = runtime.scheduler.counters()
             cpu0 = thread_cpu_seconds()
             raw = wave_in_subprocess(server.url, args.agent, n, args.max_tokens, args.timeout)
             cpu1 = thread_cpu_seconds()
             wave = summarize_wave(raw, n, args.max_tokens)
             wave["cpu"] = cpu_split(cpu0, cpu1, raw.get("client_cpu_s", 0.0), raw["wall_s"])
             wave["server_time_split"] = timers.snapshot(raw["wall_s"])
-            stats1 = runtime.scheduler.stats.as_dict()
+            stats1 = runtime.scheduler.counters()
             wave["scheduler_delta"] = {k: stats1[k] - stats0[k] for k in stats1 if stats1[k] != stats0[k]}
             wait_idle(runtime.scheduler)
             timers.active = False

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.config import ModelConfig
-from core.kv_cache import CacheSpec, cache_bytes_per_slot, cache_length, init_cache, layer_key
-from core.model import cache_positions, forward
+from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
+from core.model import forward
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
 from core.weights import all_matmuls_integer
 
@@ -35,8 +35,9 @@ class EngineConfig:
     chunk_sizes: tuple[int, ...] = (32, 128, 512)
     kv_dtype: str | None = None  # None: the compute dtype; "int8": quantized with per-position scales
     # Programs by how far the global layers attend: each attends over cache positions [0, bucket), the
-    # smallest bucket that covers every row (decode, verify, and prefill over what the slot holds; the name
-    # predates prefill using them). None: powers of two from 1024 up to max_len; (): one program over max_len.
+    # smallest bucket that covers every position the call reads (decode, verify and prefill alike; slot ranges
+    # also move to the host and between slots in these sizes). None: powers of two from 1024 up to max_len;
+    # (): one program over max_len.
     decode_buckets: tuple[int, ...] | None = None
     # Speculative verification width for a lone greedy stream: the last token plus up to width-1 drafted ones,
     # checked in one pass over one slot. None: num_slots (the token rows of one decode step, so a verify
@@ -86,14 +87,12 @@ class SampleResult:
 
 @dataclass
 class SlotSnapshot:
-    """Host copy of a slot's KV for positions [start, end): enough to resume decoding at `end`
-    on top of a slot that holds positions 0..start-1. Ring layers keep only the positions the
-    window still needs, max(start, end - window) .. end - 1."""
+    """Host copy of a slot's KV for positions [start, end) in every owning layer: written on top of a slot that
+    holds positions 0..start-1, it lets that slot continue at any position up to `end`."""
 
     start: int
     end: int
-    layers: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # [positions, ...] per array
-    positions: dict[str, np.ndarray] = field(default_factory=dict)  # absolute positions held, per layer
+    layers: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # [end - start, ...] per array
 
     @property
     def nbytes(self) -> int:
@@ -106,37 +105,39 @@ class Engine:
         self.params = params
         self.config = config
         self.dtype = dtype
-        # Verify chunks are written before they are read (exactly like decode), which needs ring slack.
-        slack = max(config.verify_tokens, config.rows_verify_width, 1) - 1
-        self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype, ring_slack=slack)
+        self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
         self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
                                   and all_matmuls_integer(params))
         self.cache = init_cache(cfg, self.spec)
-        self.slot_ids = jax.device_put(np.arange(config.num_slots, dtype=np.int32))
         self.buckets = config.attention_buckets()
-        # Prefill reads the global caches only up to the bucket covering what the slot already holds, so a
-        # chunk near the start of a slot does not pay for attention over max_len masked positions.
+        # Decode and both verify steps read the sliding layers through one ring-view length, so their rows
+        # compute alike bit for bit (core.kv_cache.ring_view_length).
+        step = partial(forward, cfg=cfg, ring_width=max(config.verify_tokens, config.rows_verify_width, 1))
+        # Prefill attends over the bucket covering the slot's positions once its chunk is written, so a chunk
+        # near the start of a slot does not pay for attention over max_len masked positions.
         self._prefill_fns = {
-            (size, attend): jax.jit(partial(_prefill_step, cfg=cfg, attend=attend), donate_argnums=(1,))
+            (size, attend): jax.jit(partial(_prefill_step, step=step, attend=attend), donate_argnums=(1,))
             for size in config.chunk_sizes for attend in self.buckets
         }
         self._decode_fns = {
-            size: jax.jit(partial(_decode_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
+            size: jax.jit(partial(_decode_step, step=step, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
         self._verify_fns = {
-            size: jax.jit(partial(_verify_step, cfg=cfg, attend=size), donate_argnums=(1,)) for size in self.buckets
+            size: jax.jit(partial(_verify_step, step=step, attend=size), donate_argnums=(1,)) for size in self.buckets
         }
         self._verify_rows_fns = {
-            size: jax.jit(partial(_verify_rows_step, cfg=cfg, attend=size), donate_argnums=(1,))
+            size: jax.jit(partial(_verify_rows_step, step=step, attend=size), donate_argnums=(1,))
             for size in self.buckets
         } if self.rows_verify_exact else {}
         self._prefill_rows_fns = {
-            attend: jax.jit(partial(_prefill_rows_step, cfg=cfg, attend=attend), donate_argnums=(1,))
+            attend: jax.jit(partial(_prefill_rows_step, step=step, attend=attend), donate_argnums=(1,))
             for attend in self.buckets
         }
-        self._read_slot_fn = jax.jit(_read_slot)
-        self._write_slot_fn = jax.jit(_write_slot, donate_argnums=(0,))
-        self._copy_fn = jax.jit(partial(_copy_prefix, cfg=cfg), donate_argnums=(0,))
+        # Slot ranges move to and from the host, or between slots, in bucket-sized pieces (static shapes).
+        self._read_range_fns = {size: jax.jit(partial(_read_range, size=size)) for size in self.buckets}
+        self._write_range_fns = {size: jax.jit(_write_range, donate_argnums=(0,)) for size in self.buckets}
+        self._copy_prefix_fns = {size: jax.jit(partial(_copy_prefix, size=size), donate_argnums=(0,))
+                                 for size in self.buckets}
         self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size)
         # Top logprobs are always computed at the maximum width (a blocked top-20 costs ~1% of a decode
         # step) so that a request's `top_logprobs` never selects another compiled program.
@@ -193,7 +194,8 @@ class Engine:
         for mask in (None, no_mask[:1]):
             jobs.append((f"first-token sampler{' masked' if mask is not None else ''}",
                          partial(self.sample_slot, 0, logits[0], 0, mask)))
-        jobs.append(("slot save/restore", self._warm_slot_ops))
+        for size in self.buckets:
+            jobs.append((f"slot save/restore/copy ({size} positions)", partial(self._warm_slot_ops, size)))
         for i, (name, job) in enumerate(jobs):
             if progress:
                 progress(name, i, len(jobs))
@@ -203,9 +205,10 @@ class Engine:
         self.compile_seconds = time.perf_counter() - begin
         return self.compile_seconds
 
-    def _warm_slot_ops(self) -> None:
-        self.restore_slot(0, self.save_slot(0, 0, 0))
-        self.copy_prefix(0, 0, 0, 0)
+    def _warm_slot_ops(self, size: int) -> None:
+        """Round-trip `size` positions of slot 0 through the host and copy them onto itself (contents unchanged)."""
+        self.restore_slot(0, self.save_slot(0, 0, size))
+        self.copy_prefix(0, 0, size)
 
     # ---- prefill / decode --------------------------------------------------------------------
     def plan_chunks(self, n: int) -> list[int]:
@@ -247,7 +250,7 @@ class Engine:
         padded = np.zeros((1, size), np.int32)
         padded[0, :n] = tokens
         ints = np.array([[start], [n], [slot]], np.int32)
-        attend = attend or self.held_bucket(np.array([start]))
+        attend = attend or self.bucket_for(np.array([start + n - 1]))
         logits, self.cache = self._prefill_fns[(size, attend)](self.params, self.cache, padded, ints)
         return logits[0]
 
@@ -266,8 +269,7 @@ class Engine:
 
     def _prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]], attend: int | None = None) -> jax.Array:
         tokens = np.zeros((self.num_slots, self.row_chunk), np.int32)
-        ints = np.zeros((3, self.num_slots), np.int32)
-        ints[2] = np.arange(self.num_slots)
+        ints = np.zeros((2, self.num_slots), np.int32)  # [start, n] per slot
         for slot, piece, start in pieces:
             piece = np.asarray(piece, np.int32)
             if not 1 <= len(piece) <= self.row_chunk or ints[1, slot]:
@@ -276,7 +278,8 @@ class Engine:
                 raise ValueError(f"positions {start}..{start + len(piece) - 1} exceed the slot length")
             tokens[slot, :len(piece)] = piece
             ints[0, slot], ints[1, slot] = start, len(piece)
-        attend = attend or self.held_bucket(ints[0])
+        listed = ints[1] > 0
+        attend = attend or self.bucket_for(ints[0][listed] + ints[1][listed] - 1)
         logits, self.cache = self._prefill_rows_fns[attend](self.params, self.cache, tokens, ints)
         return logits
 
@@ -285,8 +288,7 @@ class Engine:
         Returns logits [S, V] (device)."""
         packed = np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
                            np.asarray(active, np.int32)])
-        logits, self.cache = self._decode_fns[self.bucket_for(packed[1])](self.params, self.cache, packed,
-                                                                           self.slot_ids)
+        logits, self.cache = self._decode_fns[self.bucket_for(packed[1])](self.params, self.cache, packed)
         return logits
 
     def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> list[int]:
@@ -343,7 +345,7 @@ class Engine:
                      attend: int) -> tuple[np.ndarray, np.ndarray]:
         padded = np.zeros((self.num_slots, self.config.rows_verify_width), np.int32)
         padded[:, :tokens.shape[1]] = tokens
-        ints = np.stack([starts, counts, np.arange(self.num_slots, dtype=np.int32)]).astype(np.int32)
+        ints = np.stack([starts, counts]).astype(np.int32)
         greedy, accepted, self.cache = self._verify_rows_fns[attend](self.params, self.cache, padded, ints)
         return jax.device_get((greedy, accepted))
 
@@ -361,11 +363,6 @@ class Engine:
     def bucket_for(self, positions: np.ndarray) -> int:
         """The smallest attention bucket holding every position (idle slots sit at 0 or below the top)."""
         return self._covering_bucket(int(np.max(positions)) + 1)
-
-    def held_bucket(self, starts: np.ndarray) -> int:
-        """The smallest bucket holding what every row's cache holds before a prefill (positions < start):
-        prefill attends over that part of the cache plus its own chunk's keys."""
-        return self._covering_bucket(int(np.max(starts)))
 
     def _covering_bucket(self, length: int) -> int:
         return next((size for size in self.buckets if size >= length), self.buckets[-1])
@@ -394,78 +391,53 @@ class Engine:
 
     # ---- host tier and slot-to-slot copies ---------------------------------------------------
     def save_slot(self, slot: int, start: int, end: int) -> SlotSnapshot:
-        """Copy positions [start, end) of a slot to host memory."""
+        """Copy positions [start, end) of a slot (every owning layer) to host memory."""
         if not 0 <= start <= end <= self.max_len:
             raise ValueError(f"bad range [{start}, {end})")
-        host = jax.device_get(self._read_slot_fn(self.cache, np.int32(slot)))
-        snap = SlotSnapshot(start=start, end=end)
-        for layer in self.cfg.cache_owners:
-            key = layer_key(layer.index)
-            length = cache_length(self.cfg, layer, self.max_len, self.spec.ring_slack)
-            first = max(start, end - length) if layer.is_sliding else start
-            positions = np.arange(first, end)
-            index = positions % length if layer.is_sliding else positions
-            snap.layers[key] = {name: np.ascontiguousarray(arr[index]) for name, arr in host[key].items()}
-            snap.positions[key] = positions
-        return snap
+        size = self._covering_bucket(end - start)
+        at = min(start, self.max_len - size)
+        host = jax.device_get(self._read_range_fns[size](self.cache, np.int32(slot), np.int32(at)))
+        lo = start - at
+        layers = {key: {name: np.ascontiguousarray(arr[lo:lo + end - start]) for name, arr in entry.items()}
+                  for key, entry in host.items()}
+        return SlotSnapshot(start=start, end=end, layers=layers)
 
     def restore_slot(self, slot: int, snap: SlotSnapshot) -> None:
-        """Write a snapshot back into any slot (which must hold positions 0..snap.start-1)."""
-        values: dict[str, dict[str, np.ndarray]] = {}
-        masks: dict[str, np.ndarray] = {}
-        for layer in self.cfg.cache_owners:
-            key = layer_key(layer.index)
-            length = cache_length(self.cfg, layer, self.max_len, self.spec.ring_slack)
-            positions = snap.positions[key]
-            index = positions % length if layer.is_sliding else positions
-            mask = np.zeros(length, bool)
-            mask[index] = True
-            masks[key] = mask
+        """Write a snapshot's positions [start, end) into any slot (which must hold positions 0..snap.start-1)."""
+        n = snap.end - snap.start
+        size = self._covering_bucket(n)
+        at = min(snap.start, self.max_len - size)
+        lo = snap.start - at
+        values = {}
+        for key, entry in snap.layers.items():
             values[key] = {}
-            for name, part in snap.layers[key].items():
-                full = np.zeros((length, *part.shape[1:]), part.dtype)
-                full[index] = part
-                values[key][name] = full
-        self.cache = self._write_slot_fn(self.cache, np.int32(slot), values, masks)
+            for name, part in entry.items():
+                padded = np.zeros((size, *part.shape[1:]), part.dtype)
+                padded[lo:lo + n] = part
+                values[key][name] = padded
+        bounds = np.array([slot, at, lo, lo + n], np.int32)
+        self.cache = self._write_range_fns[size](self.cache, values, bounds)
 
-    def copy_prefix(self, src: int, dst: int, n: int, src_len: int) -> None:
-        """Make slot dst hold positions 0..n-1 of slot src (which holds 0..src_len-1), on the device.
-
-        Sliding layers keep only the last `window` positions, so this works only where `can_resume`.
-        """
-        if not 0 <= n <= src_len <= self.max_len:
-            raise ValueError(f"cannot copy {n} positions from a slot holding {src_len}")
-        if not self.can_resume(n, src_len):
-            raise ValueError(f"slot ring no longer holds positions {n - self.cfg.sliding_window}..{n - 1}")
-        ints = np.array([src, dst, n, src_len], np.int32)
-        self.cache = self._copy_fn(self.cache, ints)
-
-    def can_resume(self, n: int, held: int) -> bool:
-        """Whether a slot holding positions 0..held-1 can continue from position n <= held.
-
-        A query at n attends to n-window+1..n, so the ring must still hold n-window+1..n-1. It holds
-        held-window..held-1: true for n >= held-1 (so a full hit can recompute its last token), or
-        when nothing has wrapped yet (held <= window)."""
-        ring = min(self.cfg.sliding_window + self.spec.ring_slack, self.max_len)
-        has_sliding = any(layer.is_sliding for layer in self.cfg.cache_owners)
-        return n >= held - 1 or not has_sliding or held <= ring
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make slot dst hold positions 0..n-1 of slot src, on the device (src must hold at least n positions)."""
+        if not 0 <= n <= self.max_len or not (0 <= src < self.num_slots and 0 <= dst < self.num_slots):
+            raise ValueError(f"cannot copy {n} positions from slot {src} to slot {dst}")
+        size = self._covering_bucket(n)
+        self.cache = self._copy_prefix_fns[size](self.cache, np.array([src, dst, n], np.int32))
 
 
-def _prefill_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
+def _prefill_step(params, cache, tokens, ints, *, step, attend: int):
     start, n_valid, slot = ints[0], ints[1], ints[2]
-    return forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False, logits_mode="last",
-                   attend=attend)
+    return step(params, cache, tokens, start, n_valid, slot, logits_mode="last", attend=attend)
 
 
-def _prefill_rows_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
-    return forward(params, cache, tokens, ints[0], ints[1], ints[2], cfg=cfg, all_slots=True, logits_mode="last",
-                   attend=attend)
+def _prefill_rows_step(params, cache, tokens, ints, *, step, attend: int):
+    return step(params, cache, tokens, ints[0], ints[1], None, logits_mode="last", attend=attend)
 
 
-def _decode_step(params, cache, packed, slot_ids, *, cfg: ModelConfig, attend: int):
+def _decode_step(params, cache, packed, *, step, attend: int):
     tokens, positions, active = packed[0], packed[1], packed[2]
-    return forward(params, cache, tokens[:, None], positions, active, slot_ids,
-                   cfg=cfg, all_slots=True, logits_mode="last", attend=attend)
+    return step(params, cache, tokens[:, None], positions, active, None, logits_mode="last", attend=attend)
 
 
 def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -> jax.Array:
@@ -475,18 +447,16 @@ def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
 
 
-def _verify_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
+def _verify_step(params, cache, tokens, ints, *, step, attend: int):
     start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
-    logits, cache = forward(params, cache, tokens, start, n_valid, slot, cfg=cfg, all_slots=False,
-                            logits_mode="all", attend=attend, cache_only=True)
+    logits, cache = step(params, cache, tokens, start, n_valid, slot, logits_mode="all", attend=attend)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
 
 
-def _verify_rows_step(params, cache, tokens, ints, *, cfg: ModelConfig, attend: int):
-    starts, n_valid, slots = ints[0], ints[1], ints[2]
-    logits, cache = forward(params, cache, tokens, starts, n_valid, slots, cfg=cfg, all_slots=True,
-                            logits_mode="all", attend=attend, cache_only=True)
+def _verify_rows_step(params, cache, tokens, ints, *, step, attend: int):
+    starts, n_valid = ints[0], ints[1]
+    logits, cache = step(params, cache, tokens, starts, n_valid, None, logits_mode="all", attend=attend)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
 
@@ -500,32 +470,43 @@ def _sample_row(logits, state: SamplerState, slot, step, mask):
     return tokens, lp, top_ids, top_lp, state
 
 
-def _read_slot(cache, slot):
-    return jax.tree_util.tree_map(lambda a: a[slot], cache)
+def _read_range(cache, slot, at, *, size: int):
+    """Positions [at, at + size) of one slot, every array: [size, ...] each."""
+    def read(arr):
+        start = (slot, at) + (0,) * (arr.ndim - 2)
+        return jax.lax.dynamic_slice(arr, start, (1, size, *arr.shape[2:]))[0]
+    return jax.tree_util.tree_map(read, cache)
 
 
-def _write_slot(cache, slot, values, masks):
+def _write_range(cache, values, bounds):
+    """Write values[key][name] [size, ...] into slot bounds[0] at positions bounds[1].., keeping only entries
+    [bounds[2], bounds[3]) of them (the rest of the range keeps what the slot holds)."""
+    slot, at, lo, hi = bounds[0], bounds[1], bounds[2], bounds[3]
     out = {}
     for key, entry in cache.items():
-        mask = masks[key]
         out[key] = {}
         for name, arr in entry.items():
-            m = mask.reshape(mask.shape + (1,) * (arr.ndim - 2))
-            out[key][name] = arr.at[slot].set(jnp.where(m, values[key][name], arr[slot]))
+            new = values[key][name]
+            size = new.shape[0]
+            start = (slot, at) + (0,) * (arr.ndim - 2)
+            old = jax.lax.dynamic_slice(arr, start, (1, size, *arr.shape[2:]))[0]
+            idx = jnp.arange(size).reshape((size,) + (1,) * (arr.ndim - 2))
+            merged = jnp.where((idx >= lo) & (idx < hi), new, old)
+            out[key][name] = jax.lax.dynamic_update_slice(arr, merged[None], start)
     return out
 
 
-def _copy_prefix(cache, ints, *, cfg: ModelConfig):
-    src, dst, n, src_len = ints[0], ints[1], ints[2], ints[3]
+def _copy_prefix(cache, ints, *, size: int):
+    """Slot ints[1] takes positions [0, ints[2]) of slot ints[0] (ints[2] <= size), every array."""
+    src, dst, n = ints[0], ints[1], ints[2]
     out = {}
-    for layer in cfg.cache_owners:
-        key = layer_key(layer.index)
-        entry = cache[key]
-        length = entry["k"].shape[1]
-        held = cache_positions(src_len[None], length, ring=layer.is_sliding)[0]
-        mask = (held >= 0) & (held < n)
+    for key, entry in cache.items():
         out[key] = {}
         for name, arr in entry.items():
-            m = mask.reshape(mask.shape + (1,) * (arr.ndim - 2))
-            out[key][name] = arr.at[dst].set(jnp.where(m, arr[src], arr[dst]))
+            shape = (1, size, *arr.shape[2:])
+            zeros = (0,) * (arr.ndim - 2)
+            source = jax.lax.dynamic_slice(arr, (src, 0, *zeros), shape)
+            target = jax.lax.dynamic_slice(arr, (dst, 0, *zeros), shape)
+            idx = jnp.arange(size).reshape((1, size) + (1,) * (arr.ndim - 2))
+            out[key][name] = jax.lax.dynamic_update_slice(arr, jnp.where(idx < n, source, target), (dst, 0, *zeros))
     return out

@@ -1,12 +1,14 @@
 """The slot KV pool: one cache per cache-owning layer, allocated once for S slots.
 
-Global-attention layers keep `max_len` positions per slot. Sliding-window layers keep a ring of
-`min(window + ring_slack, max_len)` positions indexed by `position % ring` (the slack lets a short
-chunk be written before it is read). KV-shared layers own nothing and read
-their source layer's cache. A slot's contents are a pure function of the tokens written into it.
+Every owning layer, sliding-window layers included, keeps all `max_len` positions of a slot at their
+absolute index, so a slot's KV at position p is a pure function of tokens 0..p and any prefix [0, P) of a
+slot can be copied, saved or restored however far the slot has moved on (docs/design-notes.md, "Sliding
+layers keep every position"). Sliding layers still attend over only the last `window` positions: the model
+reads them through a ring view (`ring_view_length`). KV-shared layers own nothing and read their source
+layer's cache.
 
-Layout per owning layer i: `{"k": [S, L_i, kv_heads, head_dim], "v": [S, L_i, kv_heads, head_dim]}`;
-with int8 storage also `"k_scale"`, `"v_scale"`: [S, L_i, kv_heads] float32 per-position scales.
+Layout per owning layer i: `{"k": [S, max_len, kv_heads, head_dim], "v": [S, max_len, kv_heads, head_dim]}`;
+with int8 storage also `"k_scale"`, `"v_scale"`: [S, max_len, kv_heads] float32 per-position scales.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.config import LayerSpec, ModelConfig
+from core.config import ModelConfig
 
 KVCache = dict[str, dict[str, jax.Array]]
 
@@ -27,15 +29,10 @@ class CacheSpec:
     num_slots: int
     max_len: int
     dtype: str = "float32"  # the compute dtype, or "int8" for quantized storage
-    ring_slack: int = 0  # extra ring positions, so a chunk of ring_slack + 1 tokens may be written first
 
     @property
     def quantized(self) -> bool:
         return self.dtype == "int8"
-
-
-def cache_length(cfg: ModelConfig, layer: LayerSpec, max_len: int, ring_slack: int = 0) -> int:
-    return min(cfg.sliding_window + ring_slack, max_len) if layer.is_sliding else max_len
 
 
 def layer_key(layer_index: int) -> str:
@@ -45,8 +42,7 @@ def layer_key(layer_index: int) -> str:
 def init_cache(cfg: ModelConfig, spec: CacheSpec) -> KVCache:
     cache: KVCache = {}
     for layer in cfg.cache_owners:
-        length = cache_length(cfg, layer, spec.max_len, spec.ring_slack)
-        shape = (spec.num_slots, length, layer.num_kv_heads, layer.head_dim)
+        shape = (spec.num_slots, spec.max_len, layer.num_kv_heads, layer.head_dim)
         entry = {"k": jnp.zeros(shape, spec.dtype), "v": jnp.zeros(shape, spec.dtype)}
         if spec.quantized:
             entry["k_scale"] = jnp.zeros(shape[:3], jnp.float32)
@@ -55,12 +51,23 @@ def init_cache(cfg: ModelConfig, spec: CacheSpec) -> KVCache:
     return cache
 
 
-def cache_bytes_per_slot(cfg: ModelConfig, spec: CacheSpec) -> int:
-    itemsize = np.dtype(spec.dtype).itemsize
+def bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
+    """KV bytes one position of one slot takes over every owning layer (scales included)."""
+    itemsize = np.dtype(dtype).itemsize
     total = 0
     for layer in cfg.cache_owners:
-        positions = cache_length(cfg, layer, spec.max_len, spec.ring_slack) * layer.num_kv_heads
-        total += 2 * positions * layer.head_dim * itemsize
-        if spec.quantized:
-            total += 2 * positions * 4
+        total += 2 * layer.num_kv_heads * layer.head_dim * itemsize
+        if dtype == "int8":
+            total += 2 * layer.num_kv_heads * 4
     return total
+
+
+def cache_bytes_per_slot(cfg: ModelConfig, spec: CacheSpec) -> int:
+    return spec.max_len * bytes_per_position(cfg, spec.dtype)
+
+
+def ring_view_length(window: int, max_len: int, width: int, min_width: int) -> int:
+    """Positions a sliding layer reads for a call of `width` tokens per row: the window of the first query plus
+    the chunk. Calls up to `min_width` tokens (decode, speculative verify) share one length, so every key sits
+    at the same index (position mod length) in each of them and their rows compute alike bit for bit."""
+    return min(window + max(width, min_width) - 1, max_len)

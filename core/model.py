@@ -1,14 +1,13 @@
 """Gemma 3 / Gemma 4 text decoder in plain JAX, written once against the slot KV pool.
 
-One function, `forward`, serves every use: a full prompt into an empty slot, a prefill chunk that
-continues a cached prefix, and the batched one-token decode step over all slots. Each query attends
-to (a) the slot's cache as it was before this call and (b) the keys of this call's own chunk; the
-chunk's K/V is written into the cache only after every layer has read it. That keeps a sliding ring
-correct when a chunk is longer than the window, lets KV-shared layers read exactly what their source
-layer read, and leaves the scatter free to update the donated cache in place.
+One function, `forward`, serves every use: a prompt chunk into a slot from any position (continuing what
+the slot holds), the batched one-token decode step over all slots, and speculative verify chunks. Each call
+first writes its chunk's K/V into the cache at the chunk's absolute positions, then every query attends over
+the cache alone (global layers over a prefix of the positions, sliding layers over a ring view of the last
+ones), so a chunk reads its own keys exactly as later decode steps will read them.
 
 Shapes: B rows (slots), T tokens per row, H hidden, nh query heads, kh KV heads, d head size,
-L cache positions (window ring or max_len), V vocab.
+L cache positions read (an attention bucket, or a ring view), V vocab.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.config import ModelConfig
-from core.kv_cache import KVCache, layer_key
+from core.kv_cache import KVCache, layer_key, ring_view_length
 from core.rotation import rotate
 
 Params = dict[str, Any]
@@ -92,16 +91,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def cache_positions(starts: jax.Array, length: int, ring: bool) -> jax.Array:
-    """Absolute position held by each cache index, [B, L]; negative where the index holds nothing.
-
-    A slot that holds positions 0..start-1 has position j at index j (global layer); a ring of size L
-    holds the last L of them, position p at index p % L.
-    """
+def ring_positions(ends: jax.Array, length: int) -> jax.Array:
+    """Absolute position at each index of a ring of `length` over positions 0..ends-1, [B, L]: position p sits
+    at index p % L, the ring holding the last L positions before `ends`; negative where it holds nothing."""
     idx = jnp.arange(length)[None, :]
-    if not ring:
-        return jnp.where(idx < starts[:, None], idx, -1)
-    last = starts[:, None] - 1
+    last = ends[:, None] - 1
     return last - jnp.mod(last - idx, length)
 
 
@@ -130,29 +124,26 @@ def prob_value(probs: jax.Array, values: jax.Array, accumulate: Any = None) -> j
 
 def attention(
     q: jax.Array,
-    cached: dict[str, jax.Array],
+    keys: dict[str, jax.Array],
+    key_pos: jax.Array,
     positions: jax.Array,
     held: jax.Array,
-    chunk: tuple[jax.Array, jax.Array, jax.Array] | None,
     *,
     window: int | None,
-    ring: bool,
     scale: float,
     softcap: float | None,
 ) -> jax.Array:
-    """Attention of the queries over a row's cache plus (optionally) keys not yet in the cache.
+    """Attention of the queries over the cache positions gathered for them.
 
-    q [B, T, nh, d]; cached["k"/"v"] [B, L, kh, d] (int8 with "k_scale"/"v_scale" [B, L, kh] when
-    quantized), holding positions 0..held-1 of each row (a ring: the last L of them); chunk = (k, v,
-    n_valid): this call's own keys [B, T, kh, d] of which the first n_valid[b] are real, or None when
-    they were written into the cache first. positions [B, T] of the queries. Returns [B, T, nh * d].
+    q [B, T, nh, d]; keys["k"/"v"] [B, L, kh, d] (int8 with "k_scale"/"v_scale" [B, L, kh] when quantized)
+    holding absolute positions key_pos [B, L] (negative: nothing); positions [B, T] of the queries; held [B]:
+    each row's cache holds positions 0..held-1 (this call's chunk included). Returns [B, T, nh * d].
     """
     b, t, nh, d = q.shape
-    ck, cv = cached["k"], cached["v"]
+    ck, cv = keys["k"], keys["v"]
     kh = ck.shape[2]
-    length = ck.shape[1]
     qg = q.reshape(b, t, kh, nh // kh, d)
-    quantized = "k_scale" in cached
+    quantized = "k_scale" in keys
 
     if quantized:
         # int8 x int8 -> int32 against the int8 cache itself (no dequantized copy of it); the query's
@@ -160,38 +151,48 @@ def attention(
         q8, q_scale = quantize_int8(qg)  # [B, T, kh, g, d], [B, T, kh, g]
         scores = query_key(q8, ck, jnp.int32).astype(jnp.float32)
         scores = scores * jnp.transpose(q_scale, (0, 2, 3, 1))[..., None]
-        scores = scores * jnp.transpose(cached["k_scale"], (0, 2, 1))[:, :, None, None, :]
+        scores = scores * jnp.transpose(keys["k_scale"], (0, 2, 1))[:, :, None, None, :]
     else:
         scores = query_key(qg, ck)
-    key_pos = cache_positions(held, length, ring)  # [B, L]
-    if chunk is not None:
-        k_new, v_new, n_valid = chunk
-        scores = jnp.concatenate([scores, query_key(qg, k_new)], axis=-1)
-        chunk_pos = jnp.where(jnp.arange(t)[None, :] < n_valid[:, None], positions, -1)  # padding: no key
-        key_pos = jnp.concatenate([key_pos, chunk_pos], axis=-1)  # [B, L + T]
     scores = scores.astype(jnp.float32) * scale
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
+    kpos = key_pos[:, None, :]
     qpos = positions[:, :, None]
-    allowed = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= qpos)
+    allowed = (kpos >= 0) & (kpos < held[:, None, None]) & (kpos <= qpos)  # stale entries past held: never
     if window is not None:
-        allowed &= key_pos[:, None, :] > qpos - window
+        allowed &= kpos > qpos - window
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
 
-    p_cache = probs[..., :length]
     if quantized:
         # Fold the values' per-position scales into the probabilities, quantize those per row, and
         # contract int8 x int8 again.
-        weighted = p_cache.astype(jnp.float32) * jnp.transpose(cached["v_scale"], (0, 2, 1))[:, :, None, None, :]
+        weighted = probs.astype(jnp.float32) * jnp.transpose(keys["v_scale"], (0, 2, 1))[:, :, None, None, :]
         p8, p_scale = quantize_int8(weighted)
         out = prob_value(p8, cv, jnp.int32).astype(jnp.float32)
         out = (out * jnp.transpose(p_scale, (0, 3, 1, 2))[..., None]).astype(q.dtype)
     else:
-        out = prob_value(p_cache, cv)
-    if chunk is not None:
-        out = out + prob_value(probs[..., length:], chunk[1])
+        out = prob_value(probs, cv)
     return out.reshape(b, t, nh * d)
+
+
+def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Array, *, sliding: bool,
+               attend: int | None, ring: int) -> tuple[dict[str, jax.Array], jax.Array]:
+    """What one layer reads from its cache entry ([S, max_len, ...] arrays): (arrays [B, L, ...], key positions
+    [B, L]). rows [B]: the slot of each row (None: row b is slot b); ends [B]: one past each row's last
+    query position. A global layer reads positions [0, attend) in place. A sliding layer gathers a ring view
+    of `ring` positions, the last ones before `ends`, position p at index p % ring: the key layout depends on
+    absolute positions only, so calls with the same ring length compute their rows alike."""
+    max_len = entry["k"].shape[1]
+    if not sliding:
+        length = max_len if attend is None else min(attend, max_len)
+        view = {name: (arr if rows is None else arr[rows])[:, :length] for name, arr in entry.items()}
+        return view, jnp.broadcast_to(jnp.arange(length)[None, :], (ends.shape[0], length))
+    key_pos = ring_positions(ends, ring)
+    index = jnp.clip(key_pos, 0, max_len - 1)
+    slot = (jnp.arange(ends.shape[0]) if rows is None else rows)[:, None]
+    return {name: arr[slot, index] for name, arr in entry.items()}, key_pos
 
 
 def project_qkv(x: jax.Array, lp: dict[str, Any], layer: Any, num_heads: int
@@ -233,32 +234,33 @@ def forward(
     tokens: jax.Array,
     starts: jax.Array,
     n_valid: jax.Array,
-    slots: jax.Array,
+    slots: jax.Array | None,
     *,
     cfg: ModelConfig,
-    all_slots: bool,
     logits_mode: str,
     attend: int | None = None,
-    cache_only: bool = False,
+    ring_width: int = 1,
 ) -> tuple[jax.Array, KVCache]:
-    """Run T tokens per row through the model, reading and then extending each row's slot cache.
+    """Run T tokens per row through the model: write their K/V into each row's slot, then attend over the cache.
 
-    tokens [B, T] int32: row b holds positions starts[b] .. starts[b] + T - 1, of which the first
-    n_valid[b] are real (the rest is padding; n_valid 0 marks an idle row). slots [B]: the slot of
-    each row. all_slots: B equals the pool size and slots is arange(S), so the cache is used as is.
-    logits_mode: "all" -> [B, T, V]; "last" -> [B, V] at each row's last real token;
-    "hidden" -> the final normed hidden states [B, T, H].
-    attend: global layers read only cache positions [0, attend) (every position a row reads from the cache must
-    lie below it: the positions it holds, plus its own chunk's when cache_only), so a step's attention cost
-    follows the longest context in it, not max_len.
-    cache_only: write every new K/V into the cache first and attend over the cache alone (decode always does).
-    For a chunk this needs rings with T-1 positions of slack (CacheSpec.ring_slack) so that writing the
-    chunk never overwrites a position its first query still needs; the speculative verify step runs this
-    way, so each of its rows computes exactly what a decode step at that position computes.
+    tokens [B, T] int32: row b holds positions starts[b] .. starts[b] + T - 1, of which the first n_valid[b]
+    are real (the rest is padding; n_valid 0 marks an idle row that writes nothing). slots [B]: the slot of
+    each row, or None when row b is slot b of the whole pool. logits_mode: "all" -> [B, T, V]; "last" ->
+    [B, V] at each row's last real token. attend: global layers read only cache positions [0, attend), which
+    must cover every row's chunk (starts + n_valid), so a step's attention cost follows the longest context
+    in it, not max_len. ring_width: sliding layers read a ring view sized for max(T, ring_width) tokens per
+    row (`core.kv_cache.ring_view_length`); decode and speculative verify pass their common width so each of
+    their rows computes exactly what a decode step at that position computes.
+
+    New K/V are scattered into the donated cache before any layer reads it, so XLA updates it in place (a
+    read before a later scatter makes it copy the whole cache), and every query reads its keys back from the
+    cache in the cache's own dtype, as decode does.
     """
     b, t = tokens.shape
     dtype = params["final_norm"].dtype  # the compute dtype
     positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]
+    ends = starts + t  # one past each row's last (possibly padded) query
+    held = starts + n_valid
     h = embedding_rows(params["embed"], tokens, dtype) * jnp.asarray(cfg.hidden_size**0.5, dtype)
     ple = per_layer_inputs(params, cfg, tokens, h) if cfg.ple_dim else None
 
@@ -268,14 +270,6 @@ def forward(
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
 
-    # Scatter new K/V into the cache before any layer reads it, so the donated cache is updated in place
-    # (a read before a later scatter makes XLA copy the whole cache). Decode (and cache_only chunks) then
-    # attend over the cache alone. A prefill chunk writes its sliding rings afterwards and attends over
-    # the cache plus its own keys: its later tokens would overwrite ring entries its earlier tokens still
-    # need (the ring is small, so its copy is cheap).
-    cache_only = cache_only or t == 1
-    write_first = cache_only
-    new_kv: dict[int, tuple[jax.Array, jax.Array]] = {}
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         eps = cfg.rms_norm_eps
         cos, sin = ropes[(layer.kind, layer.head_dim)]
@@ -290,20 +284,15 @@ def forward(
             q, k = heads[:, :, :nh], heads[:, :, nh:]
             if cfg.has_v_norm:
                 v = rms_norm(v, None, eps)
-            new_kv[layer.index] = (k, v)
-            if write_first or not layer.is_sliding:  # a global cache has a distinct index per position
-                cache = write_chunk(cache, {layer.index: (k, v)}, cfg, positions, n_valid, slots)
+            cache = write_chunk(cache, layer.index, k, v, positions, n_valid, slots)
         else:
             q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
         entry = cache[layer_key(layer.kv_source)]
-        if attend is not None and not layer.is_sliding and attend < entry["k"].shape[1]:
-            entry = {name: arr[:, :attend] for name, arr in entry.items()}
-        cached = entry if all_slots else {name: arr[slots] for name, arr in entry.items()}
+        ring = ring_view_length(cfg.sliding_window, entry["k"].shape[1], t, ring_width)
+        keys, key_pos = cache_view(entry, slots, ends, sliding=layer.is_sliding, attend=attend, ring=ring)
         attn = attention(
-            q, cached, positions, starts + n_valid if cache_only else starts,
-            None if cache_only else (*new_kv[layer.kv_source], n_valid),
+            q, keys, key_pos, positions, held,
             window=cfg.sliding_window if layer.is_sliding else None,
-            ring=layer.is_sliding,
             scale=cfg.query_scale,
             softcap=cfg.attn_logit_softcap,
         )
@@ -326,17 +315,10 @@ def forward(
             h = h * lp["layer_scalar"].astype(dtype)
 
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    if logits_mode == "hidden":
-        out = h
-    else:
-        if logits_mode == "last":
-            last = jnp.clip(n_valid - 1, 0, t - 1)
-            h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        out = lm_head(params, cfg, h)
-    if not write_first:
-        rings = {i: kv for i, kv in new_kv.items() if cfg.layers[i].is_sliding}
-        cache = write_chunk(cache, rings, cfg, positions, n_valid, slots)
-    return out, cache
+    if logits_mode == "last":
+        last = jnp.clip(n_valid - 1, 0, t - 1)
+        h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    return lm_head(params, cfg, h), cache
 
 
 def lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
@@ -350,39 +332,29 @@ def lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 def write_chunk(
     cache: KVCache,
-    new_kv: dict[int, tuple[jax.Array, jax.Array]],
-    cfg: ModelConfig,
+    layer_index: int,
+    k: jax.Array,
+    v: jax.Array,
     positions: jax.Array,
     n_valid: jax.Array,
-    slots: jax.Array,
+    slots: jax.Array | None,
 ) -> KVCache:
-    """Scatter each owning layer's chunk K/V into its slot cache; padding and overwritten ring
-    entries are dropped (index past the end) so no two writes hit one index."""
-    t = positions.shape[1]
-    chunk_idx = jnp.arange(t)[None, :]
-    out = dict(cache)
-    for index, (k, v) in new_kv.items():
-        layer = cfg.layers[index]
-        entry = dict(cache[layer_key(index)])
-        length = entry["k"].shape[1]
-        keep = chunk_idx < n_valid[:, None]
-        if layer.is_sliding:
-            keep &= chunk_idx >= n_valid[:, None] - length  # only the last `length` survive in the ring
-            target = jnp.mod(positions, length)
-        else:
-            target = positions
-        target = jnp.where(keep, target, length)
-        rows = slots[:, None]
-        if "k_scale" in entry:
-            for name, value in (("k", k), ("v", v)):
-                q, s = quantize_kv(value)
-                entry[name] = entry[name].at[rows, target].set(q, mode="drop")
-                entry[name + "_scale"] = entry[name + "_scale"].at[rows, target].set(s, mode="drop")
-        else:
-            entry["k"] = entry["k"].at[rows, target].set(k.astype(entry["k"].dtype), mode="drop")
-            entry["v"] = entry["v"].at[rows, target].set(v.astype(entry["v"].dtype), mode="drop")
-        out[layer_key(index)] = entry
-    return out
+    """Scatter one owning layer's chunk K/V [B, T, kh, d] into its rows' slots at their absolute positions
+    [B, T]; padding (t >= n_valid) is dropped (index past the end)."""
+    entry = dict(cache[layer_key(layer_index)])
+    max_len = entry["k"].shape[1]
+    keep = jnp.arange(positions.shape[1])[None, :] < n_valid[:, None]
+    target = jnp.where(keep, positions, max_len)
+    rows = (jnp.arange(positions.shape[0]) if slots is None else slots)[:, None]
+    if "k_scale" in entry:
+        for name, value in (("k", k), ("v", v)):
+            q, s = quantize_kv(value)
+            entry[name] = entry[name].at[rows, target].set(q, mode="drop")
+            entry[name + "_scale"] = entry[name + "_scale"].at[rows, target].set(s, mode="drop")
+    else:
+        entry["k"] = entry["k"].at[rows, target].set(k.astype(entry["k"].dtype), mode="drop")
+        entry["v"] = entry["v"].at[rows, target].set(v.astype(entry["v"].dtype), mode="drop")
+    return {**cache, layer_key(layer_index): entry}
 
 
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -32,7 +32,7 @@ def reference_tokens(tokenizer: Any, n: int) -> list[int]:
 def _chunk_fn(cfg: ModelConfig):
     def step(params, cache, tokens, start, targets):
         logits, cache = forward(params, cache, tokens, start, jnp.full(1, tokens.shape[1], jnp.int32),
-                                jnp.zeros(1, jnp.int32), cfg=cfg, all_slots=True, logits_mode="all")
+                                None, cfg=cfg, logits_mode="all")
         logp = jax.nn.log_softmax(logits[0], axis=-1)
         return jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], jnp.argmax(logits[0], axis=-1), cache
 

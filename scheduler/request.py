@@ -41,10 +41,18 @@ class GenerationRequest:
     session: str | None = None  # drives slot affinity; None: no affinity
     agent: str = "default"
     priority: int = 1  # weight in the fair share across agents
-    cache_hints: tuple[int, ...] = ()  # prefix lengths worth keeping in the host tier (e.g. end of system prompt)
+    # Prompt positions where a message ends (the system prompt, each turn): prefill chunks end there, so a later
+    # request resuming at one computes the rest in the very chunks a cold run uses.
+    boundaries: tuple[int, ...] = ()
+    cache_salt: str | None = None  # requests share cached KV only with the same agent and the same salt
     seed: int | None = None  # None: drawn at admission (also the sampling seed unless sampling.seed is set)
     want_logprobs: bool = False  # the sampled token's logprob (top alternatives: sampling.logprobs)
     constraint: Any = None  # structured-output state (per slot); None: unconstrained
+
+    @property
+    def cache_scope(self) -> tuple[str, str | None]:
+        """Cached KV is reused only within one scope: one agent and one cache salt."""
+        return self.agent, self.cache_salt
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -1,15 +1,17 @@
 """Continuous batching of many sessions over the engine's KV slots, with prefix caching.
 
-One thread owns the engine. Each iteration: take new submissions, drop cancelled requests, admit
-waiting requests into free slots (fair across agents), run at most `prefill_budget` tokens of
-prefill (so a long prompt delays running streams by one chunk at most), then one batched decode
-step for every decoding slot. Events are handed to each request's handle once per iteration.
+One thread owns the engine. Each iteration takes new submissions, drops cancelled requests, and then runs
+the algorithm in three visible parts:
 
-Prefix caching: a request resumes from the longest usable prefix found in its own slot, another
-slot (device copy) or the host tier (restore). Sliding-window layers keep only the last `window`
-positions, so a slot holding `held` tokens can resume only at n >= held - 1 (or anywhere while
-nothing has wrapped); the host tier therefore stores snapshots at exact prefix boundaries: where
-callers hint (the end of a shared system prompt) and whole conversations evicted from a slot.
+- plan (`_schedule`): waiting requests are admitted into free slots, fair across agents, with their cached
+  prefixes (`KVCacheManager`: own slot, another slot, the host tier, or a wait for an in-flight prefill);
+  at most `prefill_budget` tokens of prefill are planned (so a long prompt delays running streams by one
+  chunk at most); then one batched decode step, or a speculative verify step, for the decoding streams;
+- execute (`scheduler.executor.execute`): the one place the engine is called;
+- update (`_update`): computed tokens are appended to their slots, generated tokens are delivered, and
+  finished sequences free their slots.
+
+Events are handed to each request's handle once per iteration.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from core.engine import Engine, SampleResult, SlotSnapshot
-from core.sampling import batch_needs_full
+from core.engine import Engine, SampleResult
 from core.tokenizer import Tokenizer
-from scheduler.grammar import fill_masks
+from scheduler.executor import execute
 from scheduler.host_tier import HostTier
+from scheduler.kv_manager import CacheConfig, KVCacheManager
+from scheduler.plan import PrefillChunk, StepOutcome, StepPlan, StepRow
 from scheduler.request import (
     ContextLengthError,
     Event,
@@ -41,7 +44,7 @@ from scheduler.request import (
     Usage,
 )
 from scheduler.sequence import SeqState, Sequence
-from scheduler.slots import Slot, common_prefix
+from scheduler.slots import Slot
 from scheduler.speculation import speculation_allowed
 from scheduler.stop_strings import StopMatcher
 
@@ -56,6 +59,7 @@ class SchedulerConfig:
     prefix_caching: bool = True
     host_tier_bytes: int = 2 * 2**30
     min_snapshot_tokens: int = 16  # contexts shorter than this are cheaper to recompute than to store
+    min_wait_tokens: int = 32  # wait for another request's in-flight prefill only when it saves this many tokens
     # A lone plain-greedy stream runs prompt-lookup speculative steps (engine.verify) instead of decode steps:
     # same tokens, often several per step (scheduler/speculation.py). Several plain-greedy streams share a
     # batched verify step (engine.verify_rows, where the engine's products are exact) when their drafts
@@ -74,10 +78,6 @@ class SchedulerStats:
     requests_admitted: int = 0
     requests_finished: int = 0
     cache_hit_requests: int = 0
-    slot_reuses: int = 0
-    device_copies: int = 0
-    host_restores: int = 0
-    host_saves: int = 0
     rejected_queue_full: int = 0
     cancelled: int = 0
     batched_prefills: int = 0  # calls that prefilled several short prompts at once (engine.prefill_rows)
@@ -98,8 +98,9 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.stop_ids = stop_ids if stop_ids is not None else frozenset(tokenizer.stop_ids)
         self.prefill_budget = self.config.prefill_budget or max(engine.config.chunk_sizes)
-        self.slots = [Slot(i) for i in range(engine.num_slots)]
-        self.host = HostTier[SlotSnapshot](self.config.host_tier_bytes)
+        self.kv = KVCacheManager(engine.num_slots, CacheConfig(
+            prefix_caching=self.config.prefix_caching, host_tier_bytes=self.config.host_tier_bytes,
+            min_snapshot_tokens=self.config.min_snapshot_tokens, min_wait_tokens=self.config.min_wait_tokens))
         self.stats = SchedulerStats()
         self.iteration = 0
         self._inbox: queue.Queue[Sequence] = queue.Queue()
@@ -115,6 +116,18 @@ class Scheduler:
         # Wall seconds of recent decode steps and batched verify steps (moving averages), for the choice
         # between them; None until measured.
         self._step_seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
+
+    @property
+    def slots(self) -> list[Slot]:
+        return self.kv.slots
+
+    @property
+    def host(self) -> HostTier:
+        return self.kv.host
+
+    def counters(self) -> dict[str, int]:
+        """Every counter: the scheduler's and the KV-cache manager's reuse counts."""
+        return {**self.stats.as_dict(), **asdict(self.kv.stats)}
 
     # ---- caller side (any thread) ----------------------------------------------------------
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
@@ -193,12 +206,12 @@ class Scheduler:
         raise RuntimeError("scheduler did not become idle")
 
     def step(self) -> None:
-        """One iteration: admit, one prefill budget, one decode step, deliver events."""
+        """One iteration: plan, execute on the engine, update, deliver events."""
         self._drain_inbox()
         self._reap_cancelled()
-        self._admit()
-        self._prefill()
-        self._decode()
+        plan = self._schedule()
+        outcome = execute(self.engine, self.kv.host, plan)
+        self._update(plan, outcome)
         self.stats.iterations += 1
         self.iteration += 1
         outbox, self._outbox = self._outbox, {}
@@ -234,7 +247,26 @@ class Scheduler:
             if slot.sequence is not None and slot.sequence.handle.cancelled.is_set():
                 self._finish(slot.sequence, FinishReason.CANCELLED)
 
-    # ---- admission ---------------------------------------------------------------------------
+    # ---- plan --------------------------------------------------------------------------------
+    def _schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for seq in self._prefilling:
+            if seq.awaiting is not None:
+                self.kv.resolve(seq, plan.cache_ops)
+        while self.kv.has_free_slot():
+            seq = self._pick_next()
+            if seq is None:
+                break
+            self.kv.place(seq, plan.cache_ops)
+            seq.admitted_at = time.perf_counter()
+            plan.admitted.append(seq)
+            self._prefilling.append(seq)
+            self.stats.requests_admitted += 1
+            self.stats.prompt_tokens += len(seq.prompt)
+        self._plan_prefill(plan)
+        self._plan_decode(plan)
+        return plan
+
     def _pick_next(self) -> Sequence | None:
         """Stride scheduling: the agent with the smallest pass goes next; its pass grows by 1/priority."""
         candidates = [a for a, q in self._waiting.items() if q]
@@ -247,238 +279,85 @@ class Scheduler:
             self._waiting_count -= 1
         return seq
 
-    def _admit(self) -> None:
-        while any(not slot.busy for slot in self.slots):
-            seq = self._pick_next()
-            if seq is None:
-                return
-            self._place(seq)
-
-    def _usable(self, slot: Slot, prompt: tuple[int, ...]) -> int:
-        """Prompt positions this slot can serve: the common prefix, short of the last prompt token
-        (whose logits must be computed), and only where the slot's ring still allows resuming."""
-        n = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
-        return n if n > 0 and self.engine.can_resume(n, slot.held) else 0
-
-    def _place(self, seq: Sequence) -> None:
-        prompt = seq.prompt
-        session = seq.request.session
-        free = [s for s in self.slots if not s.busy]
-        caching = self.config.prefix_caching
-        usable = {s.index: self._usable(s, prompt) for s in self.slots} if caching else {}
-
-        affine = [s for s in free if session is not None and s.session == session]
-        if affine:
-            target = affine[0]
-        elif caching and max(usable[s.index] for s in free) > 0:
-            target = max(free, key=lambda s: (usable[s.index], -s.last_used))
-        else:
-            target = min(free, key=lambda s: (s.held > 0, s.last_used))
-
-        own = usable.get(target.index, 0)
-        donor = max((s for s in self.slots if s is not target), key=lambda s: usable.get(s.index, 0), default=None)
-        donor_n = usable.get(donor.index, 0) if donor is not None else 0
-        host_hit = self.host.lookup(prompt) if caching else None
-        host_n = min(host_hit[0], len(prompt) - 1) if host_hit else 0
-
-        cursor = max(own, donor_n, host_n)
-        if not (cursor == own and session is not None and target.session == session):
-            self._save_to_host(target)  # another conversation is about to be overwritten: keep it on the host
-        if cursor == 0:
-            pass
-        elif cursor == own:
-            self.stats.slot_reuses += 1
-        elif cursor == donor_n:
-            self.engine.copy_prefix(donor.index, target.index, donor_n, donor.held)
-            self.stats.device_copies += 1
-        else:
-            self.engine.restore_slot(target.index, host_hit[1])
-            self.stats.host_restores += 1
-        target.tokens = list(prompt[:cursor])
-        target.session = session
-        target.sequence = seq
-        target.last_used = time.perf_counter()
-
-        seq.slot = target.index
-        seq.admitted_at = time.perf_counter()
-        seq.cursor = seq.cached_tokens = cursor
-        seq.state = SeqState.PREFILLING
-        seq.snapshot_points = sorted(
-            h for h in set(seq.request.cache_hints)
-            if cursor < h <= len(prompt) and h >= self.config.min_snapshot_tokens and caching
-            and not self.host.contains(prompt[:h])
-        )
-        self.engine.begin_request(target.index, seq.request.sampling, list(prompt), seq.seed)
-        self._prefilling.append(seq)
-        self.stats.requests_admitted += 1
-        self.stats.prompt_tokens += len(prompt)
-        self.stats.cached_tokens += cursor
-        self.stats.cache_hit_requests += cursor > 0
-
-    def _mask_buffer(self, rows: int) -> np.ndarray:
-        """All tokens allowed ([rows, ceil(V/32)] uint32); constrained rows are overwritten by fill_masks."""
-        words = -(-self.engine.cfg.vocab_size // 32)
-        return np.full((rows, words), 0xFFFFFFFF, np.uint32)
-
-    def _save_to_host(self, slot: Slot) -> None:
-        if (not self.config.prefix_caching or slot.held < self.config.min_snapshot_tokens
-                or self.host.contains(slot.tokens)):
-            return
-        if self.host.put(list(slot.tokens), self.engine.save_slot(slot.index, 0, slot.held)):
-            self.stats.host_saves += 1
-
-    # ---- prefill -----------------------------------------------------------------------------
-    def _prefill(self) -> None:
-        budget = self._prefill_together(self.prefill_budget)
+    def _plan_prefill(self, plan: StepPlan) -> None:
+        """Prefill chunks within the budget, first come first served; a chunk ends at the next message
+        boundary. One padded call for a whole piece when that wastes little (padding costs full compute on
+        CPU), else the largest full chunk; a tail shorter than the smallest chunk runs padded in it."""
+        budget = self._plan_rows(plan, self.prefill_budget)
         sizes = self.engine.config.chunk_sizes
-        while budget > 0 and self._prefilling:
-            seq = self._prefilling[0]
-            slot = self.slots[seq.slot]
-            boundary = seq.snapshot_points[0] if seq.snapshot_points else len(seq.prompt)
-            piece = min(boundary - seq.cursor, sizes[-1])
-            # One padded call for the whole piece when that wastes little (padding costs full compute on CPU),
-            # else the largest full chunk; a tail shorter than the smallest chunk runs padded in it.
-            covering = next(size for size in sizes if size >= piece)
-            fitting = [size for size in sizes if size <= min(piece, budget)]
-            if covering <= budget and (not fitting or covering - piece <= piece // 4):
-                n, cost = piece, covering
-            elif fitting:
-                n = cost = fitting[-1]
-            else:
-                break
-            tokens = np.asarray(seq.prompt[seq.cursor:seq.cursor + n], np.int32)
-            logits = self.engine.prefill_chunk(slot.index, tokens, seq.cursor)
-            budget -= cost
-            seq.cursor += n
-            slot.tokens.extend(seq.prompt[seq.cursor - n:seq.cursor])
-            self.stats.prefill_chunks += 1
-            self.stats.prefill_tokens += n
-            if seq.snapshot_points and seq.cursor == seq.snapshot_points[0]:
-                seq.snapshot_points.pop(0)
-                if self.host.put(list(seq.prompt[:seq.cursor]), self.engine.save_slot(slot.index, 0, seq.cursor)):
-                    self.stats.host_saves += 1
-            if seq.cursor == len(seq.prompt):
-                self._prefilling.popleft()
-                seq.state = SeqState.DECODING
-                mask = None
-                if seq.request.constraint is not None:
-                    mask = self._mask_buffer(1)
-                    fill_masks([(seq.request.constraint, 0)], mask)
-                self._accept(seq, self.engine.sample_slot(slot.index, logits, step=0, mask=mask), 0)
+        for seq in self._prefilling:
+            if seq.awaiting is not None or any(chunk.seq is seq for chunk in plan.rows):
+                continue
+            cursor = seq.cursor
+            while budget > 0 and cursor < len(seq.prompt):
+                piece = min(seq.next_boundary(cursor) - cursor, sizes[-1])
+                covering = next(size for size in sizes if size >= piece)
+                fitting = [size for size in sizes if size <= min(piece, budget)]
+                if covering <= budget and (not fitting or covering - piece <= piece // 4):
+                    n, cost = piece, covering
+                elif fitting:
+                    n = cost = fitting[-1]
+                else:
+                    return
+                plan.chunks.append(PrefillChunk(seq, cursor, np.asarray(seq.prompt[cursor:cursor + n], np.int32)))
+                budget -= cost
+                cursor += n
+            if budget <= 0:
+                return
 
-    def _prefill_together(self, budget: int) -> int:
+    def _plan_rows(self, plan: StepPlan, budget: int) -> int:
         """Finish many short prompts (at most the smallest chunk left, e.g. chat turns after a prefix-cache
         hit) in one batched call and sample their first tokens together. The call costs about S x chunk
         tokens whatever the count, so it runs only when at least half the slots would use it."""
         width, rows = self.engine.row_chunk, self.engine.num_slots
-        cost = width * rows
         short = [seq for seq in self._prefilling
-                 if not seq.snapshot_points and len(seq.prompt) - seq.cursor <= width]
+                 if seq.awaiting is None and len(seq.prompt) - seq.cursor <= width]
         if len(short) < max(2, rows // 2):
             return budget
-        logits = self.engine.prefill_rows([(seq.slot, np.asarray(seq.prompt[seq.cursor:], np.int32), seq.cursor)
-                                           for seq in short])
-        self.stats.batched_prefills += 1
-        self.stats.prefill_chunks += 1
-        active = np.zeros(rows, bool)
-        for seq in short:
-            self.stats.prefill_tokens += len(seq.prompt) - seq.cursor
-            self.slots[seq.slot].tokens.extend(seq.prompt[seq.cursor:])
-            seq.cursor = len(seq.prompt)
-            seq.state = SeqState.DECODING
-            self._prefilling.remove(seq)
-            active[seq.slot] = True
-        constrained = [(q.request.constraint, q.slot) for q in short if q.request.constraint is not None]
-        mask = None
-        if constrained:
-            mask = self._mask_buffer(rows)
-            fill_masks(constrained, mask)
-        result = self.engine.sample(logits, active, np.zeros(rows, np.int32), mask=mask,
-                                    needs_full=batch_needs_full(q.request.sampling for q in short))
-        for seq in short:
-            self._accept(seq, result, seq.slot)
-        return max(0, budget - cost)  # may exceed a small budget: it replaces that many separate calls
+        plan.rows = [PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:], np.int32)) for seq in short]
+        return max(0, budget - width * rows)  # may exceed a small budget: it replaces that many separate calls
 
-    # ---- decode ------------------------------------------------------------------------------
-    def _decode(self) -> None:
+    def _plan_decode(self, plan: StepPlan) -> None:
         running = [slot.sequence for slot in self.slots
                    if slot.sequence is not None and slot.sequence.state is SeqState.DECODING]
-        if not running or (self._speculate(running[0]) if len(running) == 1 else self._speculate_rows(running)):
+        if not running:
             return
-        begin = time.perf_counter()
-        s = self.engine.num_slots
-        tokens, positions, steps = (np.zeros(s, np.int32) for _ in range(3))
-        active = np.zeros(s, bool)
-        for seq in running:
-            tokens[seq.slot] = seq.generated[-1]
-            positions[seq.slot] = self.slots[seq.slot].held
-            steps[seq.slot] = len(seq.generated)
-            active[seq.slot] = True
-        logits = self.engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
-        constrained = [(q.request.constraint, q.slot) for q in running if q.request.constraint is not None]
-        mask = None
-        if constrained:  # fill the grammar masks on the host while the forward pass runs
-            mask = self._mask_buffer(s)
-            fill_masks(constrained, mask)
-        result = self.engine.sample(logits, active, steps, mask=mask,
-                                    needs_full=batch_needs_full(q.request.sampling for q in running))
-        self._record_step("decode", begin)
-        self.stats.decode_steps += 1
-        for seq in running:
-            self.slots[seq.slot].tokens.append(int(tokens[seq.slot]))
-            self._accept(seq, result, seq.slot)
-
-    def _record_step(self, kind: str, begin: float) -> None:
-        seconds = time.perf_counter() - begin
-        last = self._step_seconds[kind]
-        self._step_seconds[kind] = seconds if last is None else 0.8 * last + 0.2 * seconds
+        if len(running) == 1:
+            plan.verify = self._speculate(running[0])
+        else:
+            plan.verify_rows = self._speculate_rows(running)
+        if plan.verify is None and not plan.verify_rows:
+            plan.decode = [StepRow(seq, [seq.generated[-1]], self.kv.held(seq)) for seq in running]
 
     def _may_speculate(self, seq: Sequence) -> bool:
         request = seq.request
         return self.config.speculative and speculation_allowed(request.sampling, request.constraint is not None,
                                                                request.want_logprobs)
 
-    def _speculate(self, seq: Sequence) -> bool:
-        """One verify step for a lone eligible stream, if the context suggests a draft; False: decode as usual."""
+    def _speculate(self, seq: Sequence) -> StepRow | None:
+        """A verify step for a lone eligible stream, if the context suggests a draft; None: decode as usual."""
         if self.engine.config.verify_tokens < 2 or not self._may_speculate(seq):
-            return False
-        slot = self.slots[seq.slot]
-        start = slot.held
+            return None
+        start = self.kv.held(seq)
         # verify_room keeps the chunk inside one attention bucket (so also within max_len)
         room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1)
         draft = seq.draft(room)
-        if not draft:
-            return False
-        inputs = [seq.generated[-1], *draft]
-        out = self.engine.verify(seq.slot, inputs, start)
-        self.stats.decode_steps += 1
-        self.stats.speculative_steps += 1
-        self._accept_verified(seq, inputs, out)
-        return True
+        return StepRow(seq, [seq.generated[-1], *draft], start) if draft else None
 
-    def _speculate_rows(self, running: list[Sequence]) -> bool:
-        """One batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
-        when the drafts' expected accepted tokens per second beat a decode step's; False: decode as usual."""
+    def _speculate_rows(self, running: list[Sequence]) -> list[StepRow]:
+        """A batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
+        when the drafts' expected accepted tokens per second beat a decode step's; []: decode as usual."""
         if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
-            return False
-        starts = [self.slots[seq.slot].held for seq in running]
+            return []
+        starts = [self.kv.held(seq) for seq in running]
         drafts = [seq.draft(min(room, seq.max_tokens - len(seq.generated)) - 1)
                   for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
         expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
                        for seq, draft in zip(running, drafts, strict=True))
         if expected <= len(running) * self._rows_verify_cost():
-            return False
-        begin = time.perf_counter()
-        inputs = [[seq.generated[-1], *draft] for seq, draft in zip(running, drafts, strict=True)]
-        out = self.engine.verify_rows([(seq.slot, row, start)
-                                       for seq, row, start in zip(running, inputs, starts, strict=True)])
-        self._record_step("verify_rows", begin)
-        self.stats.decode_steps += 1
-        self.stats.speculative_steps += 1
-        self.stats.batched_speculative_steps += 1
-        for seq, row in zip(running, inputs, strict=True):
-            self._accept_verified(seq, row, out[seq.slot])
-        return True
+            return []
+        return [StepRow(seq, [seq.generated[-1], *draft], start)
+                for seq, draft, start in zip(running, drafts, starts, strict=True)]
 
     def _rows_verify_cost(self) -> float:
         """A batched verify step's time over a decode step's: measured once both ran, else a prior (about 1.5
@@ -486,19 +365,53 @@ class Scheduler:
         decode, verify = self._step_seconds["decode"], self._step_seconds["verify_rows"]
         return verify / decode if decode and verify else ROWS_VERIFY_COST_PRIOR
 
-    def _accept_verified(self, seq: Sequence, inputs: list[int], out: list[int]) -> None:
-        """Deliver a verify step's tokens: out[i] follows inputs[i]; stops early if the sequence finishes."""
-        self.stats.draft_tokens += len(inputs) - 1
+    # ---- update ------------------------------------------------------------------------------
+    def _update(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        if plan.rows:
+            self.stats.batched_prefills += 1
+            self.stats.prefill_chunks += 1
+        self.stats.prefill_chunks += len(plan.chunks)
+        for chunk in plan.rows + plan.chunks:
+            seq = chunk.seq
+            self.kv.extend(seq.slot, chunk.tokens.tolist())
+            seq.cursor = chunk.end
+            self.stats.prefill_tokens += len(chunk.tokens)
+            if chunk.last:
+                self._prefilling.remove(seq)
+                seq.state = SeqState.DECODING
+                self.stats.cached_tokens += seq.cached_tokens
+                self.stats.cache_hit_requests += seq.cached_tokens > 0
+                result, row = outcome.first[seq.id]
+                self._accept(seq, result, row)
+        for kind, seconds in outcome.seconds.items():
+            last = self._step_seconds[kind]
+            self._step_seconds[kind] = seconds if last is None else 0.8 * last + 0.2 * seconds
+        if plan.decode:
+            self.stats.decode_steps += 1
+            for row in plan.decode:
+                self.kv.extend(row.seq.slot, row.inputs)
+                self._accept(row.seq, outcome.decoded, row.seq.slot)
+        verified = [plan.verify] if plan.verify is not None else plan.verify_rows
+        if verified:
+            self.stats.decode_steps += 1
+            self.stats.speculative_steps += 1
+            self.stats.batched_speculative_steps += bool(plan.verify_rows)
+            for row in verified:
+                self._accept_verified(row, outcome.verified[row.seq.id])
+
+    def _accept_verified(self, row: StepRow, out: list[int]) -> None:
+        """Deliver a verify step's tokens: out[i] follows row.inputs[i]; stops early if the sequence finishes."""
+        seq = row.seq
+        self.stats.draft_tokens += len(row.inputs) - 1
         self.stats.accepted_draft_tokens += len(out) - 1
-        seq.drafted += len(inputs) - 1
+        seq.drafted += len(row.inputs) - 1
         seq.accepted += len(out) - 1
         n = len(out)
         result = SampleResult(np.asarray(out, np.int32), np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
                               np.zeros((n, 0), np.float32))
-        slot = self.slots[seq.slot]
-        for row, token in enumerate(inputs[:n]):
-            slot.tokens.append(token)  # the token whose K/V this step wrote
-            self._accept(seq, result, row)
+        for i, token in enumerate(row.inputs[:n]):
+            self.kv.extend(seq.slot, [token])  # the token whose K/V this step wrote
+            self._accept(seq, result, i)
             if seq.state is SeqState.FINISHED:
                 break
 
@@ -531,7 +444,7 @@ class Scheduler:
         self._emit(seq, event)
         if stopped or (constraint is not None and constraint.is_finished()):
             self._finish(seq, FinishReason.STOP)
-        elif len(seq.generated) >= seq.max_tokens or self.slots[seq.slot].held >= self.engine.max_len:
+        elif len(seq.generated) >= seq.max_tokens or self.kv.held(seq) >= self.engine.max_len:
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -554,12 +467,9 @@ class Scheduler:
                       completion_tokens=len(seq.generated))
         self._emit(seq, FinishEvent(reason=reason, usage=usage, text=tail, error=error, timings=timings))
         if seq.slot is not None:
-            slot = self.slots[seq.slot]
-            slot.sequence = None
-            slot.last_used = now
+            self.kv.release(seq)
             if seq in self._prefilling:
                 self._prefilling.remove(seq)
-                slot.tokens = slot.tokens[:seq.cursor]
         seq.state = SeqState.FINISHED
         self.stats.requests_finished += 1
         self.stats.cancelled += reason is FinishReason.CANCELLED

@@ -36,7 +36,10 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     first_token_at: float | None = None
-    snapshot_points: list[int] = field(default_factory=list)  # prompt positions to save to the host tier
+    # In-flight sharing: another sequence is prefilling this prompt's first `awaited` tokens; this one waits
+    # for them and copies them instead of computing them again.
+    awaiting: Sequence | None = None
+    awaited: int = 0
     draft_index: DraftIndex | None = None  # prompt + generated, indexed for prompt-lookup drafts (on first use)
     drafted: int = 0  # speculative draft tokens verified for this sequence
     accepted: int = 0  # of those, accepted
@@ -61,3 +64,11 @@ class Sequence:
     @property
     def agent(self) -> str:
         return self.request.agent
+
+    @property
+    def scope(self) -> tuple[str, str | None]:
+        return self.request.cache_scope
+
+    def next_boundary(self, after: int) -> int:
+        """The first message boundary past `after` (the prompt's end if none)."""
+        return min((b for b in self.request.boundaries if after < b < len(self.prompt)), default=len(self.prompt))

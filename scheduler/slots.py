@@ -1,7 +1,9 @@
-"""The slot table: what each KV slot holds, who owns it, and which prefix of a prompt it can serve."""
+"""A KV slot as the scheduler sees it: the tokens whose KV it holds, the scope and session they belong to,
+and the sequence running in it."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
 class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)  # exactly the positions whose KV the slot holds
+    scope: Hashable = None  # the cache scope of those tokens (GenerationRequest.cache_scope)
     session: str | None = None  # the session whose conversation the slot holds (affinity)
     sequence: Sequence | None = None  # the running sequence, if busy
     last_used: float = 0.0

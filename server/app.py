@@ -580,6 +580,7 @@ def _chat_params(body: ChatCompletionRequest, session_id: str | None) -> ChatPar
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, response_format=rf,
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None,
         tool_choice=tool_choice, ignore_eos=bool(body.ignore_eos), session_id=session_id, user=body.user,
+        cache_salt=body.cache_salt,
     )
 
 
@@ -707,7 +708,7 @@ def _completion_params(body: CompletionRequest) -> ChatParams:
         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, seed=body.seed,
         stop=body.stop_list(), logit_bias=body.bias(), logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0, response_format=rf, tools=None, tool_choice="none",
-        ignore_eos=bool(body.ignore_eos), user=body.user,
+        ignore_eos=bool(body.ignore_eos), user=body.user, cache_salt=body.cache_salt,
     )
 
 

@@ -30,7 +30,7 @@ class _SchedulerCollector(Collector):
         if runtime is None:
             return
         sched = runtime.scheduler
-        stats = sched.stats
+        stats = sched.counters()
         busy = sum(slot.busy for slot in sched.slots)
         for name, doc, value in (
             ("slotserve_slots_total", "KV slots", runtime.num_slots),
@@ -39,9 +39,10 @@ class _SchedulerCollector(Collector):
             ("slotserve_queue_depth", "requests waiting for a slot", sched.waiting),
             ("slotserve_prefilling_requests", "requests in prefill", sched.prefilling),
             ("slotserve_prefix_cache_hit_ratio", "prompt tokens served from a cache / prompt tokens",
-             stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0),
-            ("slotserve_host_tier_bytes", "bytes of KV snapshots held in host memory",
-             sched.host.bytes_used),
+             stats["cached_tokens"] / stats["prompt_tokens"] if stats["prompt_tokens"] else 0.0),
+            ("slotserve_host_tier_bytes", "bytes of KV runs held in host memory", sched.host.bytes_used),
+            ("slotserve_kv_bytes_per_slot", "KV cache bytes one slot takes (every layer, every position)",
+             runtime.engine.bytes_per_slot),
         ):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
@@ -52,9 +53,11 @@ class _SchedulerCollector(Collector):
             ("prefill_tokens", "prompt tokens computed"),
             ("cached_tokens", "prompt tokens reused from a cache"),
             ("prompt_tokens", "prompt tokens requested"),
+            ("slot_reuses", "requests that resumed a prefix their own slot held"),
+            ("device_copies", "slot-to-slot prefix copies"),
             ("host_restores", "host-tier restores"),
             ("host_saves", "host-tier saves"),
-            ("device_copies", "slot-to-slot prefix copies"),
+            ("in_flight_waits", "requests that waited for another request's prefill of their prefix"),
             ("rejected_queue_full", "requests refused because the queue was full"),
             ("cancelled", "requests cancelled (client gone or shutdown)"),
             ("batched_prefills", "calls that prefilled several short prompts at once"),
@@ -64,7 +67,7 @@ class _SchedulerCollector(Collector):
             ("accepted_draft_tokens", "draft tokens accepted (tokens gained over plain decode steps)"),
         ):
             c = CounterMetricFamily(f"slotserve_scheduler_{field}", doc)
-            c.add_metric([], float(getattr(stats, field)))
+            c.add_metric([], float(stats[field]))
             yield c
 
 

@@ -393,3 +393,26 @@ def test_jinja_errors(tok, jinja):
         ChatTemplate(tok, "{% for m in messages %}{{ m.content | upper }}{% endfor %}").render(SYSTEM, [user("a")])
     with pytest.raises(TemplateError, match="failed: ZeroDivisionError"):
         ChatTemplate(tok, "{{ 1 / 0 }}").render(SYSTEM, [user("a")])
+
+
+def test_message_boundaries_are_prefixes_of_every_later_turn(tok, template):
+    """Every boundary the renderer reports for one turn (the system text, each message) cuts a prefix that the
+    next turn's prompt (history resent, the reply and a new message appended) repeats exactly: the points a
+    later request resumes at. They lie inside the prompt and include the agent's system prompt end."""
+    history = [{"role": "system", "content": "Client rules: be brief."}, user("What is 2+2?"), assistant("4."),
+               user("And 3+3?")]
+    now = template.render(SYSTEM, history)
+    later = template.render(SYSTEM, [*history, assistant("6."), user("Thanks.")])
+    assert now.system_end in now.boundaries
+    assert all(0 < b < len(now.ids) for b in now.boundaries) and list(now.boundaries) == sorted(set(now.boundaries))
+    assert len(now.boundaries) >= 4  # agent system, client system, and the three messages
+    for b in now.boundaries:
+        assert later.ids[:b] == now.ids[:b], b
+    assert set(now.boundaries) < set(later.boundaries)
+    # Each boundary falls where a message's text ends (after its turn's end marker, if any).
+    texts = [SYSTEM, "Client rules: be brief.", "What is 2+2?", "4.", "And 3+3?"]
+    ends = set()
+    for b in now.boundaries:
+        head = tok.decode(now.ids[:b]).strip().removesuffix("<end_of_turn>").strip()
+        ends |= {text for text in texts if head.endswith(text)}
+    assert ends == set(texts)

@@ -1,5 +1,5 @@
-"""The slot engine on tiny random models: ring and padding, prefix continuation, slot independence,
-save/restore and slot copies, int8 KV, and zero recompilations after warm-up."""
+"""The slot engine on tiny random models: sliding windows and padding, prefix continuation, slot independence,
+save/restore and slot copies at any position, int8 KV, and zero recompilations after warm-up."""
 
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ def setup(request, compile_cache):
     cfg = model_config(request.param)
     params = random_params(cfg, std=0.1, norm_std=0.1, seed=3)
     # Decode programs attending over 16, 32, 64 and 96 positions: the decode steps of every test below cross
-    # those bucket boundaries (and the ring's), and must equal one full forward all the same.
+    # those bucket boundaries (and the window), and must equal one full forward all the same.
     engine = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS,
                                               decode_buckets=BUCKETS, verify_width=VERIFY), "float32")
     engine.warmup()
-    full = jax.jit(partial(forward, cfg=cfg, all_slots=True, logits_mode="all"))
+    full = jax.jit(partial(forward, cfg=cfg, logits_mode="all"))
 
     def reference(ids: np.ndarray) -> np.ndarray:
         cache = init_cache(cfg, CacheSpec(num_slots=1, max_len=len(ids)))
         logits, _ = full(params, cache, jnp.asarray(ids[None], jnp.int32), jnp.zeros(1, jnp.int32),
-                         jnp.full(1, len(ids), jnp.int32), jnp.zeros(1, jnp.int32))
+                         jnp.full(1, len(ids), jnp.int32), None)
         return np.asarray(logits[0])
 
     return cfg, engine, reference
@@ -64,9 +64,9 @@ LENGTHS = sorted({W - 1, W, W + 1, 2 * W + 3, 2 * W + 1, 2 * W + 5, 3 * W, 3 * W
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_chunked_prefill_then_decode_across_ring_equals_full_forward(setup, n):
+def test_chunked_prefill_then_decode_across_the_window_equals_full_forward(setup, n):
     cfg, engine, reference = setup
-    extra = W + 3  # decode far enough to wrap the ring
+    extra = W + 3  # decode far enough to move the window past the prompt
     ids = np.random.default_rng(n).integers(3, cfg.vocab_size, size=n + extra)
     expected = reference(ids)
     for split in sorted({1, n // 3, n // 2, n - 1} - {0}):
@@ -85,10 +85,6 @@ def test_decode_bucket_is_the_smallest_covering_every_position(setup):
     assert engine.bucket_for(np.array([0, 15, 3])) == 16
     assert engine.bucket_for(np.array([0, 16, 3])) == 32
     assert engine.bucket_for(np.array([95, 0, 0])) == 96
-    # A prefill reads what the slots hold (positions below each start): a chunk from 0 or 16 reads 16 of them.
-    assert engine.held_bucket(np.array([0])) == 16
-    assert engine.held_bucket(np.array([16, 0])) == 16
-    assert engine.held_bucket(np.array([17, 3])) == 32
     assert EngineConfig(max_len=8192).attention_buckets() == (1024, 2048, 4096, 8192)
     assert EngineConfig(max_len=3000).attention_buckets() == (1024, 2048, 3000)
     assert EngineConfig(max_len=512).attention_buckets() == (512,)
@@ -99,8 +95,8 @@ def test_decode_bucket_is_the_smallest_covering_every_position(setup):
 
 @pytest.mark.parametrize("n", [5, 2 * W + 3])
 def test_speculative_verify_gives_exactly_the_plain_greedy_tokens(setup, n):
-    """Drafts that are partly right and partly wrong, through ring wraps: the accepted tokens are the plain
-    greedy continuation, and rejected drafts never corrupt a ring (a later step would then differ)."""
+    """Drafts that are partly right and partly wrong, past the window: the accepted tokens are the plain
+    greedy continuation, and rejected drafts never corrupt the cache (a later step would then differ)."""
     cfg, engine, _ = setup
     rng = np.random.default_rng(n)
     prompt = rng.integers(3, cfg.vocab_size, size=n)
@@ -122,7 +118,7 @@ def test_speculative_verify_gives_exactly_the_plain_greedy_tokens(setup, n):
 
 
 def test_batched_prefill_of_several_slots_equals_each_alone(setup):
-    """Slots continuing from different positions (one past the ring wrap, one from 0), prefilled in one
+    """Slots continuing from different positions (one past the window, one from 0), prefilled in one
     call, give the logits and the next decode steps that one prefill per slot gives."""
     cfg, engine, reference = setup
     rng = np.random.default_rng(31)
@@ -194,25 +190,36 @@ def test_save_restore_and_slot_copy_continue_bit_identically(setup):
     assert np.array_equal(continuation(1), baseline)
     # Device copy of the whole prefix.
     engine.prefill(0, prompt, 0)
-    engine.copy_prefix(0, 1, len(prompt), len(prompt))
+    engine.copy_prefix(0, 1, len(prompt))
     assert np.array_equal(continuation(1), baseline)
 
 
-def test_copy_of_partial_prefix_within_one_window(setup):
+@pytest.mark.parametrize("n", [W // 2, W + 3, 2 * W + 1])
+def test_any_prefix_of_a_slot_that_moved_far_past_it_is_reusable(setup, n):
+    """A slot that went on for more than a window past position n still serves [0, n) to another slot, by a
+    device copy or through the host, and the continuation equals a cold forward (bit for bit between the two
+    reuse paths)."""
     cfg, engine, reference = setup
-    ids = np.random.default_rng(13).integers(3, cfg.vocab_size, size=W)
-    engine.prefill(0, ids, 0)
-    n = W // 2
-    engine.copy_prefix(0, 1, n, len(ids))
-    np.testing.assert_allclose(np.asarray(engine.prefill(1, ids[n:], n)), reference(ids)[-1], atol=1e-4, rtol=0)
+    ids = np.random.default_rng(13 + n).integers(3, cfg.vocab_size, size=n + 2 * W + 5)
+    engine.prefill(0, ids, 0)  # slot 0 holds n + 2W + 5 positions: its window left n behind long ago
+    want = reference(ids)[n:]
+    engine.copy_prefix(0, 1, n)
+    copied = np.asarray(engine.prefill(1, ids[n:], n))
+    np.testing.assert_allclose(copied, want[-1], atol=1e-4, rtol=0)
+    engine.restore_slot(2, engine.save_slot(0, 0, n))
+    assert np.array_equal(np.asarray(engine.prefill(2, ids[n:], n)), copied)
+    # A snapshot of only [n - 3, n) on top of a slot that holds [0, n - 3) of the same tokens does the same.
+    engine.copy_prefix(0, 2, n - 3)
+    engine.restore_slot(2, engine.save_slot(0, n - 3, n))
+    assert np.array_equal(np.asarray(engine.prefill(2, ids[n:], n)), copied)
 
 
-def test_full_hit_recomputes_the_last_token_from_a_wrapped_ring(setup):
+def test_full_hit_recomputes_the_last_token_of_a_long_prompt(setup):
     """A slot holding a whole prompt past the window resumes at its last token (n = held - 1)."""
     cfg, engine, reference = setup
     ids = np.random.default_rng(31).integers(3, cfg.vocab_size, size=3 * W + 1)
     engine.prefill(0, ids, 0)
-    engine.copy_prefix(0, 2, len(ids) - 1, len(ids))
+    engine.copy_prefix(0, 2, len(ids) - 1)
     np.testing.assert_allclose(np.asarray(engine.prefill(2, ids[-1:], len(ids) - 1)), reference(ids)[-1],
                                atol=1e-4, rtol=0)
     snap = engine.save_slot(0, 0, len(ids))
@@ -221,10 +228,12 @@ def test_full_hit_recomputes_the_last_token_from_a_wrapped_ring(setup):
                                atol=1e-4, rtol=0)
 
 
-def test_copy_of_partial_prefix_past_the_ring_is_refused(setup):
-    cfg, engine, _ = setup
-    with pytest.raises(ValueError, match="ring"):
-        engine.copy_prefix(0, 1, W, 2 * W + 1)
+def test_slot_ranges_out_of_bounds_are_refused(setup):
+    _, engine, _ = setup
+    with pytest.raises(ValueError, match="bad range"):
+        engine.save_slot(0, 5, engine.max_len + 1)
+    with pytest.raises(ValueError, match="cannot copy"):
+        engine.copy_prefix(0, SLOTS, 4)
 
 
 def test_prefill_rejects_positions_past_the_slot(setup):
@@ -243,9 +252,10 @@ def test_no_compilation_after_warmup(setup):
         for n in (1, 3, 7, 9, 20, 37):
             prompt = rng.integers(3, cfg.vocab_size, size=n)
             greedy(engine, n % SLOTS, prompt, 4)
-        snap = engine.save_slot(1, 2, 30)
-        engine.restore_slot(2, snap)
-        engine.copy_prefix(1, 0, 5, 5)
+        for start, end in ((2, 30), (0, 17), (60, 96)):
+            engine.restore_slot(2, engine.save_slot(1, start, end))
+        engine.copy_prefix(1, 0, 5)
+        engine.copy_prefix(1, 0, 70)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert [c for c in compiles if c == "/jax/core/compile/backend_compile_duration"] == []
@@ -263,14 +273,37 @@ def test_int8_kv_cache_tracks_float_cache(setup):
         got.append(one_slot_step(int8, 1, int(ids[t]), t))
     got = np.stack(got)[:-1]
     want = expected[2 * W - 1:-1]
-    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    # Every query reads int8 keys and values, its own chunk's included (as a decode step does), so the prefill's
+    # logits carry int8 error too; on the real model that costs +1.85% perplexity (gate 2%).
+    assert np.abs(got - want).max() < 0.08 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_int8_kv_prompt_logits_do_not_depend_on_how_the_prompt_was_chunked(setup):
+    """With W8A8 weights and int8 KV (the CPU default) a prompt token reads its keys from the cache whatever
+    chunk it came in, so prefilling at once, from any split, or the tail by decode steps gives the same logits
+    up to float rounding; reading a chunk's own keys unquantized would differ by int8 error (~1e-2)."""
+    from core.weights import to_w8a8
+
+    cfg, engine, _ = setup
+    int8 = Engine(cfg, to_w8a8(engine.params), EngineConfig(num_slots=2, max_len=96, chunk_sizes=CHUNKS,
+                                                            kv_dtype="int8"), "float32")
+    ids = np.random.default_rng(1).integers(3, cfg.vocab_size, size=5 * W)
+    at_once = np.asarray(int8.prefill(0, ids, 0))
+    bound = 1e-3 * np.abs(at_once).max()
+    for split in (1, W - 3, W, 2 * W + 1, 5 * W - 1):
+        int8.prefill(1, ids[:split], 0)
+        assert np.abs(np.asarray(int8.prefill(1, ids[split:], split)) - at_once).max() < bound, split
+    int8.prefill(1, ids[:3 * W], 0)
+    for t in range(3 * W, 5 * W):
+        last = one_slot_step(int8, 1, int(ids[t]), t)
+    assert np.abs(last - at_once).max() < bound
 
 
 def test_speculative_verify_with_int8_kv_gives_exactly_the_plain_greedy_tokens(setup):
     """The CPU serving default stores K/V in int8: a verify row quantizes its K/V into the cache and reads
     them back as the decode step at that position does, so speculation stays exact there too, across
-    ring wraps and rejected drafts."""
+    the window and rejected drafts."""
     cfg, engine, _ = setup
     int8 = Engine(cfg, engine.params, EngineConfig(num_slots=2, max_len=96, chunk_sizes=CHUNKS, kv_dtype="int8",
                                                    decode_buckets=BUCKETS, verify_width=VERIFY), "float32")
@@ -290,7 +323,7 @@ def test_speculative_verify_with_int8_kv_gives_exactly_the_plain_greedy_tokens(s
 def test_batched_verify_gives_exactly_the_plain_greedy_tokens_of_every_slot(setup):
     """W8A8 weights and int8 KV (the CPU default): every product is integer, so a slot's rows in a batched
     verify ([slots, width]) compute what the decode step over all slots computes. Slots at different
-    positions, through ring wraps and bucket boundaries, with right, wrong and no drafts, get exactly the
+    positions, past the window and across bucket boundaries, with right, wrong and no drafts, get exactly the
     tokens that plain decode steps with every slot active give."""
     from core.weights import to_w8a8
 

@@ -1,192 +1,180 @@
+"""The host tier's radix tree of KV runs: any prefix of a stored run is served, shared heads are stored once,
+scopes never mix, LRU leaves go first within the byte budget, and fetched KV is exactly what was stored."""
+
 from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from scheduler.host_tier import HostTier
+from core.engine import SlotSnapshot
+from scheduler.host_tier import HostTier, common_run
+
+SCOPE = ("agent", None)
+BYTES_PER_POSITION = 2 * 4 * 4  # "k" and "v" of 4 float32 each
 
 
-@dataclass(frozen=True)
-class Snap:
-    nbytes: int
-    tag: str = ""
+def positions_kv(tokens, start: int = 0) -> SlotSnapshot:
+    """KV whose values encode (position, token), so a fetch can be checked exactly."""
+    pos = np.arange(start, len(tokens), dtype=np.float32)
+    tok = np.asarray(tokens[start:], np.float32)
+    k = np.stack([pos, tok, pos * 2, tok * 2], axis=1)
+    return SlotSnapshot(start, len(tokens), {"layer0": {"k": k, "v": -k}})
 
 
-def test_put_and_lookup_longest_prefix() -> None:
-    tier: HostTier[Snap] = HostTier(1000)
-    assert tier.put((1, 2, 3), Snap(10, "short"))
-    assert tier.put((1, 2, 3, 4, 5), Snap(10, "long"))
-    assert tier.lookup((1, 2, 3, 4, 5, 6)) == (5, Snap(10, "long"))
-    assert tier.lookup((1, 2, 3, 4)) == (3, Snap(10, "short"))
-    assert tier.lookup([1, 2]) is None
-    assert tier.lookup(np.array([1, 2, 3], dtype=np.int32)) == (3, Snap(10, "short"))
-    assert tier.lookup(()) is None
-    assert tier.contains((1, 2, 3)) and not tier.contains((1, 2, 3, 4))
-    assert tier.entries == 2 and tier.bytes_used == 20 and len(tier) == 2
+def check_fetch(tier: HostTier, tokens, start: int, end: int, scope=SCOPE) -> None:
+    got = tier.fetch(scope, tokens, start, end)
+    want = positions_kv(tokens[:end], start)
+    assert (got.start, got.end) == (start, end)
+    assert np.array_equal(got.layers["layer0"]["k"], want.layers["layer0"]["k"])
+    assert np.array_equal(got.layers["layer0"]["v"], want.layers["layer0"]["v"])
 
 
-def test_lru_eviction_keeps_recently_looked_up() -> None:
-    tier: HostTier[Snap] = HostTier(300)
-    tier.put((1,), Snap(100, "a"))
-    tier.put((2,), Snap(100, "b"))
-    tier.put((3,), Snap(100, "c"))
-    assert tier.lookup((1, 9)) == (1, Snap(100, "a"))  # "a" becomes most recent; "b" is now oldest
-    tier.put((4,), Snap(100, "d"))
-    assert not tier.contains((2,))
-    assert all(tier.contains((k,)) for k in (1, 3, 4))
-    assert tier.stats()["evictions"] == 1
+def test_any_prefix_of_a_stored_run_is_served() -> None:
+    tier = HostTier(10_000)
+    conv = (1, 2, 3, 4, 5, 6, 7, 8)
+    assert tier.insert(SCOPE, conv, positions_kv(conv)) == 8
+    assert tier.match(SCOPE, (1, 2, 3, 9)) == 3  # a prompt that leaves the run mid-edge
+    assert tier.match(SCOPE, conv + (9, 9)) == 8
+    assert tier.match(SCOPE, (2, 3)) == 0 and tier.match(SCOPE, ()) == 0
+    check_fetch(tier, (1, 2, 3, 9), 0, 3)
+    check_fetch(tier, conv + (9,), 2, 8)
+    with pytest.raises(ValueError, match="not stored"):
+        tier.fetch(SCOPE, (1, 2, 3, 9), 0, 4)
 
 
-def test_contains_does_not_refresh() -> None:
-    tier: HostTier[Snap] = HostTier(200)
-    tier.put((1,), Snap(100))
-    tier.put((2,), Snap(100))
-    assert tier.contains((1,))
-    tier.put((3,), Snap(100))
-    assert not tier.contains((1,)) and tier.contains((2,))
-    assert tier.stats()["hits"] == 0 and tier.stats()["misses"] == 0
+def test_a_shared_head_is_stored_once() -> None:
+    tier = HostTier(10_000)
+    system = tuple(range(100, 120))
+    a, b = system + (1, 2, 3), system + (7, 8)
+    tier.insert(SCOPE, a, positions_kv(a))
+    # b's owner knows the tree holds its first 20 positions, so it sends only the rest.
+    assert tier.match(SCOPE, b) == 20
+    assert tier.insert(SCOPE, b, positions_kv(b, 20)) == 2
+    assert tier.bytes_used == (20 + 3 + 2) * BYTES_PER_POSITION
+    assert tier.stats()["nodes"] == 3  # the head, split off a's run, and the two tails
+    check_fetch(tier, a, 0, 23)
+    check_fetch(tier, b, 0, 22)
+    check_fetch(tier, b, 5, 21)
+    assert tier.insert(SCOPE, a, positions_kv(a, 10)) == 0  # already held
+    # A run whose head the tree does not hold (evicted since the caller looked) is not stored.
+    assert tier.insert(SCOPE, (5, 5, 5), positions_kv((5, 5, 5), 1)) == 0 and tier.match(SCOPE, (5, 5, 5)) == 0
 
 
-def test_eviction_frees_enough_for_a_large_entry() -> None:
-    tier: HostTier[Snap] = HostTier(100)
-    for k in range(5):
-        tier.put((k,), Snap(20))
-    assert tier.put((9,), Snap(70))
-    assert tier.bytes_used == 90 and tier.entries == 2  # evicted the four oldest
-    assert tier.contains((4,)) and tier.contains((9,))
-    assert tier.stats()["evictions"] == 4
+def test_scopes_never_share() -> None:
+    tier = HostTier(10_000)
+    conv = (1, 2, 3, 4)
+    tier.insert(("x", None), conv, positions_kv(conv))
+    assert tier.match(("y", None), conv) == 0
+    assert tier.match(("x", "salt"), conv) == 0
+    assert tier.match(("x", None), conv) == 4
 
 
-def test_oversize_refused_without_side_effects() -> None:
-    tier: HostTier[Snap] = HostTier(100)
-    tier.put((1,), Snap(60, "kept"))
-    assert not tier.put((2,), Snap(101))
-    assert not tier.put((1,), Snap(101))  # same key: the old entry stays
-    assert tier.lookup((1,)) == (1, Snap(60, "kept"))
-    assert tier.bytes_used == 60 and tier.entries == 1
-    assert tier.stats()["evictions"] == 0
-    assert tier.put((3,), Snap(100 - 60))  # exactly fills the budget
-    assert tier.bytes_used == 100
+def test_least_recently_used_leaves_go_first() -> None:
+    run = 10 * BYTES_PER_POSITION
+    tier = HostTier(3 * run)
+    convs = [tuple(range(k * 100, k * 100 + 10)) for k in range(3)]
+    for conv in convs:
+        tier.insert(SCOPE, conv, positions_kv(conv))
+    tier.fetch(SCOPE, convs[0], 0, 5)  # conv 0 becomes the most recent; conv 1 is now the oldest
+    assert tier.match(SCOPE, convs[1]) == 10  # match is a pure query: it refreshes nothing
+    new = tuple(range(900, 910))
+    assert tier.insert(SCOPE, new, positions_kv(new)) == 10
+    assert tier.match(SCOPE, convs[1]) == 0
+    assert all(tier.match(SCOPE, c) == 10 for c in (convs[0], convs[2], new))
+    assert tier.stats()["evictions"] == 1 and tier.bytes_used == 3 * run
 
 
-def test_replacement_updates_bytes() -> None:
-    tier: HostTier[Snap] = HostTier(100)
-    tier.put((1, 2), Snap(30, "old"))
-    tier.put((5,), Snap(40))
-    assert tier.put([1, 2], Snap(50, "new"))
-    assert tier.bytes_used == 90 and tier.entries == 2
-    assert tier.lookup((1, 2)) == (2, Snap(50, "new"))
-    # Growing the replaced entry evicts others but never the entry being replaced.
-    assert tier.put((1, 2), Snap(90, "bigger"))
-    assert tier.entries == 1 and tier.bytes_used == 90
-    assert tier.stats()["evictions"] == 1
-    assert tier.put((1, 2), Snap(10, "smaller"))
-    assert tier.bytes_used == 10
+def test_a_node_with_children_outlives_them() -> None:
+    """Evicting the tails of two sessions leaves their shared head, which is then a leaf itself."""
+    tier = HostTier(22 * BYTES_PER_POSITION)
+    system = tuple(range(10))
+    a, b = system + (1, 2, 3, 4, 5), system + (7, 8, 9, 10, 11)
+    tier.insert(SCOPE, a, positions_kv(a))
+    tier.insert(SCOPE, b, positions_kv(b, 10))
+    other = tuple(range(500, 512))
+    tier.insert(SCOPE, other, positions_kv(other))  # 20 + 12 > 22: both tails go, oldest first
+    assert tier.match(SCOPE, a) == 10 and tier.match(SCOPE, b) == 10
+    assert tier.match(SCOPE, other) == 12
+    assert tier.bytes_used == 22 * BYTES_PER_POSITION
 
 
-def test_discard() -> None:
-    tier: HostTier[Snap] = HostTier(100)
-    tier.put((1, 2), Snap(30))
-    tier.put((1, 2, 3), Snap(30))
-    tier.discard((1, 2, 3))
-    tier.discard((7,))  # absent: no-op
-    assert tier.bytes_used == 30 and tier.entries == 1
-    assert tier.lookup((1, 2, 3)) == (2, Snap(30))
-    assert tier.stats()["evictions"] == 0
-
-
-def test_stats_counts() -> None:
-    tier: HostTier[Snap] = HostTier(50)
-    tier.put((1,), Snap(20))
-    tier.put((2,), Snap(20))
-    tier.lookup((1, 5))
-    tier.lookup((3,))
-    tier.lookup((2,))
-    tier.lookup(())
-    tier.put((3,), Snap(20))  # evicts (1,): (2,) was looked up after it
-    assert tier.stats() == {
-        "hits": 2,
-        "misses": 2,
-        "evictions": 1,
-        "bytes_used": 40,
-        "entries": 2,
-        "budget_bytes": 50,
-    }
-    assert not tier.contains((1,))
+def test_a_run_larger_than_the_budget_is_refused_without_side_effects() -> None:
+    tier = HostTier(5 * BYTES_PER_POSITION)
+    small = (1, 2, 3)
+    tier.insert(SCOPE, small, positions_kv(small))
+    big = tuple(range(50, 60))
+    assert tier.insert(SCOPE, big, positions_kv(big)) == 0
+    assert tier.match(SCOPE, small) == 3 and tier.match(SCOPE, big) == 0
 
 
 def test_invalid_arguments() -> None:
-    with pytest.raises(ValueError):
-        HostTier(-1)
-    tier: HostTier[Snap] = HostTier(10)
-    with pytest.raises(ValueError):
-        tier.put((), Snap(1))
-    with pytest.raises(ValueError):
-        tier.put((1,), Snap(-1))
-    assert tier.entries == 0 and tier.bytes_used == 0
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError):
+            HostTier(bad)  # type: ignore[arg-type]
+    tier = HostTier(100)
+    with pytest.raises(ValueError, match="ends at"):
+        tier.insert(SCOPE, (1, 2, 3), positions_kv((1, 2)))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_puts_respect_budget_and_lru(seed: int) -> None:
-    """Against a reference model: a list in LRU order with sizes."""
+def test_common_run_matches_brute_force() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(0, 400))
+        label = tuple(int(x) for x in rng.integers(0, 3, size=n))
+        key = list(label)
+        cut = int(rng.integers(0, n + 1))
+        if cut < n:
+            key[cut] = 7
+        key = (9, 9) + tuple(key) + (1,)
+        want = next((i for i in range(min(len(key) - 2, n)) if key[2 + i] != label[i]), min(len(key) - 2, n))
+        assert common_run(key, 2, label) == want
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_operations_keep_the_budget_and_serve_exact_kv(seed: int) -> None:
+    """Random conversations over a few shared heads, against a model of what must hold: the budget is never
+    exceeded, every match is a true common prefix of something stored, and fetched KV is always exact."""
     rng = random.Random(seed)
-    budget = 1000
-    tier: HostTier[Snap] = HostTier(budget)
-    lru: list[tuple[tuple[int, ...], Snap]] = []  # least recent first
-    for step in range(2000):
-        key = tuple(rng.randrange(3) for _ in range(rng.randint(1, 5)))
-        op = rng.random()
-        if op < 0.5:
-            snap = Snap(rng.choice([0, 50, 120, 300, 700, 1001]), str(step))
-            ok = tier.put(key, snap)
-            assert ok == (snap.nbytes <= budget)
-            if ok:
-                lru = [(k, s) for k, s in lru if k != key]
-                while sum(s.nbytes for _, s in lru) + snap.nbytes > budget:
-                    lru.pop(0)
-                lru.append((key, snap))
-        elif op < 0.85:
-            matches = [(k, s) for k, s in lru if key[: len(k)] == k]
-            expected = max(matches, key=lambda m: len(m[0]), default=None)
-            got = tier.lookup(key)
-            if expected is None:
-                assert got is None
-            else:
-                assert got == (len(expected[0]), expected[1])
-                lru.remove(expected)
-                lru.append(expected)
-        else:
-            tier.discard(key)
-            lru = [(k, s) for k, s in lru if k != key]
-        assert tier.bytes_used <= budget
-        assert tier.bytes_used == sum(s.nbytes for _, s in lru)
-        assert tier.entries == len(lru)
-    for k, _ in lru:
-        assert tier.contains(k)
+    tier = HostTier(300 * BYTES_PER_POSITION)
+    heads = [tuple(rng.randrange(1000) for _ in range(rng.randrange(5, 40))) for _ in range(4)]
+    stored: list[tuple[int, ...]] = []
+    for _ in range(200):
+        conv = rng.choice(heads) + tuple(rng.randrange(4) for _ in range(rng.randrange(1, 60)))
+        have = tier.match(SCOPE, conv)
+        if have < len(conv):
+            tier.insert(SCOPE, conv, positions_kv(conv, have))
+            stored.append(conv)
+        assert tier.bytes_used <= tier.budget_bytes
+        probe = rng.choice(stored)[: rng.randrange(1, 80)] + (5000,)
+        n = tier.match(SCOPE, probe)
+        assert n <= max(sum(1 for _ in iter_common(probe, s)) for s in stored)
+        if n:
+            check_fetch(tier, probe, rng.randrange(n), n)
+
+
+def iter_common(a, b):
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            return
+        yield x
 
 
 def test_concurrent_stats_reads() -> None:
-    tier: HostTier[Snap] = HostTier(500)
+    tier = HostTier(10_000)
     stop = threading.Event()
-    seen: list[dict[str, int]] = []
 
     def reader() -> None:
         while not stop.is_set():
-            seen.append(tier.stats())
+            stats = tier.stats()
+            assert stats["bytes_used"] <= stats["budget_bytes"]
 
     thread = threading.Thread(target=reader)
     thread.start()
-    try:
-        for i in range(2000):
-            tier.put((i % 37, i % 5), Snap(60))
-            tier.lookup((i % 37, i % 5, 1))
-    finally:
-        stop.set()
-        thread.join()
-    assert seen
-    for s in seen:
-        assert s["bytes_used"] <= 500 and s["bytes_used"] == 60 * s["entries"]
+    for k in range(200):
+        conv = (k % 7, k)
+        tier.insert(SCOPE, conv, positions_kv(conv, tier.match(SCOPE, conv)))
+    stop.set()
+    thread.join()

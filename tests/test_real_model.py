@@ -84,7 +84,7 @@ def test_prompt_logits_agree(real_model, hf_real_model, engine):
 
     tok = real_model.tokenizer
     cfg = real_model.cfg
-    fn = jax.jit(partial(forward, cfg=cfg, all_slots=True, logits_mode="all"))
+    fn = jax.jit(partial(forward, cfg=cfg, logits_mode="all"))
     for text in PROMPTS:
         ids = tok.encode(text, add_bos=True)
         cache = init_cache(cfg, CacheSpec(1, len(ids)))

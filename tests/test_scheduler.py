@@ -73,7 +73,7 @@ def test_second_turn_prefills_only_new_tokens_in_the_same_slot(engine, tokenizer
     g2, _, fin2 = run_all(sched, [request(p2, session="s1")])[0]
     assert fin2.usage.cached_tokens == len(p1) + len(g1) - 1  # the last sampled token was never fed
     assert sched.stats.prefill_tokens - before == 7 + 1
-    assert sched.stats.slot_reuses == 1
+    assert sched.kv.stats.slot_reuses == 1
     assert g2 == cold(engine, tokenizer, request(p2))
 
 
@@ -82,7 +82,7 @@ def test_full_hit_recomputes_only_the_last_prompt_token(engine, tokenizer):
     the host snapshot hinted at the prompt's end."""
     sched = make(engine, tokenizer)
     p = ids(3, 2 * WINDOW + 3)
-    first = run_all(sched, [request(p, session="a", cache_hints=(len(p),))])[0]
+    first = run_all(sched, [request(p, session="a", boundaries=(len(p),))])[0]
     again = run_all(sched, [request(p, session="b")])[0]
     assert again[2].usage.cached_tokens == len(p) - 1
     assert again[0] == first[0] == cold(engine, tokenizer, request(p))
@@ -96,7 +96,7 @@ def test_prefix_from_another_busy_slot_is_copied_on_device(engine, tokenizer):
     b_prompt = p + ids(5, 4)
     b = sched.submit(request(b_prompt, session="b"))
     sched.run_until_idle()
-    assert sched.stats.device_copies == 1
+    assert sched.kv.stats.device_copies == 1
     fin_b = b.result(timeout=0)
     assert fin_b[2].usage.cached_tokens == len(p)
     assert fin_b[0] == cold(engine, tokenizer, request(b_prompt))
@@ -110,10 +110,10 @@ def test_evicted_session_comes_back_from_the_host_tier(engine, tokenizer):
     # Eight other sessions take every slot, so "home" is evicted to the host tier.
     run_all(sched, [request(ids(100 + i, 20), session=f"other{i}") for i in range(8)])
     assert all(slot.session != "home" for slot in sched.slots)
-    assert sched.stats.host_saves >= 1
+    assert sched.kv.stats.host_saves >= 1
     p2 = p1 + tuple(g1) + ids(7, 5)
     g2, _, fin = run_all(sched, [request(p2, session="home")])[0]
-    assert sched.stats.host_restores == 1
+    assert sched.kv.stats.host_restores == 1
     assert fin.usage.cached_tokens == len(p1) + len(g1) - 1
     assert g2 == cold(engine, tokenizer, request(p2))
 
@@ -132,7 +132,7 @@ def test_outputs_with_caching_equal_outputs_without(engine, tokenizer):
         reqs, outs = [], []
         for i, (s, a) in enumerate(sessions):
             history[s] = history[s] + ids(1000 * turn + i, 3)
-            reqs.append(request(history[s], max_tokens=4, session=s, agent=a, cache_hints=(len(system[a]),)))
+            reqs.append(request(history[s], max_tokens=4, session=s, agent=a, boundaries=(len(system[a]),)))
             outs.append(cold(engine, tokenizer, reqs[-1]))
             history[s] = history[s] + tuple(outs[-1])
         turns.append(reqs)

@@ -401,7 +401,7 @@ def test_non_streaming_disconnect_cancels(server, runtime, slow_decode):
     wait_until(lambda: sched.running == 0, timeout=10)
 
 
-def test_metrics_expose_the_names(server, client):
+def test_metrics_expose_the_names(server, client, runtime):
     client.chat.completions.create(model="weather", messages=USER, max_tokens=2)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("slotserve_requests_total", "slotserve_prompt_tokens_total", "slotserve_completion_tokens_total",
@@ -409,11 +409,45 @@ def test_metrics_expose_the_names(server, client):
                  "slotserve_slots_busy", "slotserve_slot_occupancy_ratio", "slotserve_queue_depth",
                  "slotserve_prefix_cache_hit_ratio", "slotserve_cached_prompt_tokens_total", "slotserve_ready 1.0",
                  "slotserve_scheduler_speculative_steps_total", "slotserve_scheduler_accepted_draft_tokens_total",
-                 "slotserve_scheduler_batched_prefills_total", "slotserve_scheduler_batched_speculative_steps_total"):
+                 "slotserve_scheduler_batched_prefills_total", "slotserve_scheduler_batched_speculative_steps_total",
+                 "slotserve_scheduler_in_flight_waits_total", "slotserve_scheduler_device_copies_total",
+                 "slotserve_scheduler_slot_reuses_total", "slotserve_host_tier_bytes"):
         assert name in text, name
+    per_slot = runtime.engine.bytes_per_slot
+    assert f"slotserve_kv_bytes_per_slot {float(per_slot)}" in text and f'kv_bytes_per_slot="{per_slot}"' in text
     assert 'slotserve_model_info{' in text and 'dtype="float32"' in text and 'precision="w8a8"' in text
     assert 'kv_dtype="int8"' in text and 'kv_dtype_reason="test"' in text
     assert 'agent="weather"' in text
+
+
+def test_client_system_prompts_are_reused_across_sessions_within_a_cache_salt(server, client):
+    """What agent frameworks do: each request carries the whole history with the framework's own system prompt.
+    A second session with that system prompt reuses it (cached_tokens counts it); the same request again
+    recomputes only its last token; a request under another cache_salt reuses nothing, then its own salt's."""
+    system = {"role": "system", "content": "You are a meticulous planner. " * 12 + "Reply with one word."}
+
+    def ask(text: str, session: str, salt: str | None = None):
+        extra = {"cache_salt": salt} if salt else {}
+        return client.chat.completions.create(
+            model="assistant", messages=[system, {"role": "user", "content": text}], max_tokens=2, temperature=0,
+            extra_headers={"X-Session-Id": session}, extra_body=extra)
+
+    first = ask("First question?", "reuse-a")
+    assert first.usage.prompt_tokens > 100
+    second = ask("A different question?", "reuse-b")
+    shared = second.usage.prompt_tokens_details.cached_tokens
+    assert shared >= 100  # the client's system prompt, computed once for both sessions
+    again = client.chat.completions.create(model="assistant", messages=[system, {"role": "user",
+                                           "content": "A different question?"}], max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == second.choices[0].message.content
+    salted = ask("A different question?", "reuse-c", salt="tenant-2")
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].message.content == second.choices[0].message.content
+    salted_again = ask("Yet another one?", "reuse-d", salt="tenant-2")
+    assert salted_again.usage.prompt_tokens_details.cached_tokens >= shared
+    bad = post(server, "/v1/chat/completions", {"model": "assistant", "messages": USER, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
 def test_ready_is_503_until_the_runtime_is_warm(runtime):

@@ -43,7 +43,7 @@ class ArraySource:
 
 
 def logits_for(cfg, params, ids):
-    fn = jax.jit(partial(forward, cfg=cfg, all_slots=True, logits_mode="all"))
+    fn = jax.jit(partial(forward, cfg=cfg, logits_mode="all"))
     cache = init_cache(cfg, CacheSpec(1, ids.shape[1]))
     out, _ = fn(params, cache, jnp.asarray(ids, jnp.int32), jnp.zeros(1, jnp.int32),
                 jnp.full(1, ids.shape[1], jnp.int32), jnp.zeros(1, jnp.int32))

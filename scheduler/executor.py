@@ -1,0 +1,96 @@
+"""The one place the scheduler calls the engine: run a `StepPlan` and return what it produced.
+
+Order within an iteration: cache operations (each planned against the slots as the previous ones left them),
+sampling state for newly admitted sequences, the batched prefill, single-slot prefill chunks, then one decode
+or verify step. Grammar masks for constrained rows are filled on the host while the device computes the
+step they are for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from core.engine import Engine, SampleResult
+from core.sampling import batch_needs_full
+from scheduler.grammar import fill_masks
+from scheduler.host_tier import HostTier
+from scheduler.plan import CopyPrefix, RestoreFromHost, SaveToHost, StepOutcome, StepPlan
+
+
+def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
+    out = StepOutcome()
+    for op in plan.cache_ops:
+        if isinstance(op, SaveToHost):
+            host.insert(op.scope, op.tokens, engine.save_slot(op.slot, op.start, len(op.tokens)))
+        elif isinstance(op, CopyPrefix):
+            engine.copy_prefix(op.src, op.dst, op.n)
+        elif isinstance(op, RestoreFromHost):
+            engine.restore_slot(op.slot, op.snapshot)
+    for seq in plan.admitted:
+        engine.begin_request(seq.slot, seq.request.sampling, list(seq.prompt), seq.seed)
+    if plan.rows:
+        _prefill_rows(engine, plan, out)
+    for chunk in plan.chunks:
+        logits = engine.prefill_chunk(chunk.seq.slot, chunk.tokens, chunk.start)
+        if chunk.last:
+            constraint = chunk.seq.request.constraint
+            mask = None
+            if constraint is not None:
+                mask = mask_buffer(engine, 1)
+                fill_masks([(constraint, 0)], mask)
+            out.first[chunk.seq.id] = (engine.sample_slot(chunk.seq.slot, logits, step=0, mask=mask), 0)
+    if plan.decode:
+        _decode(engine, plan, out)
+    if plan.verify is not None:
+        row = plan.verify
+        out.verified[row.seq.id] = engine.verify(row.seq.slot, row.inputs, row.start)
+    if plan.verify_rows:
+        begin = time.perf_counter()
+        tokens = engine.verify_rows([(row.seq.slot, row.inputs, row.start) for row in plan.verify_rows])
+        out.seconds["verify_rows"] = time.perf_counter() - begin
+        for row in plan.verify_rows:
+            out.verified[row.seq.id] = tokens[row.seq.slot]
+    return out
+
+
+def mask_buffer(engine: Engine, rows: int) -> np.ndarray:
+    """All tokens allowed ([rows, ceil(V/32)] uint32); constrained rows are overwritten by fill_masks."""
+    return np.full((rows, -(-engine.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
+
+
+def _prefill_rows(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
+    logits = engine.prefill_rows([(chunk.seq.slot, chunk.tokens, chunk.start) for chunk in plan.rows])
+    seqs = [chunk.seq for chunk in plan.rows]
+    result = _sample_rows(engine, logits, seqs, np.zeros(engine.num_slots, np.int32))
+    for seq in seqs:
+        out.first[seq.id] = (result, seq.slot)
+
+
+def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
+    begin = time.perf_counter()
+    s = engine.num_slots
+    tokens, positions, steps = (np.zeros(s, np.int32) for _ in range(3))
+    active = np.zeros(s, bool)
+    for row in plan.decode:
+        slot = row.seq.slot
+        tokens[slot], positions[slot] = row.inputs[0], row.start
+        steps[slot] = len(row.seq.generated)
+        active[slot] = True
+    logits = engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
+    out.decoded = _sample_rows(engine, logits, [row.seq for row in plan.decode], steps)
+    out.seconds["decode"] = time.perf_counter() - begin
+
+
+def _sample_rows(engine: Engine, logits, seqs, steps: np.ndarray) -> SampleResult:
+    """Sample every listed sequence's row of logits [S, V] (masks filled while the logits compute)."""
+    active = np.zeros(engine.num_slots, bool)
+    active[[seq.slot for seq in seqs]] = True
+    constrained = [(seq.request.constraint, seq.slot) for seq in seqs if seq.request.constraint is not None]
+    mask = None
+    if constrained:
+        mask = mask_buffer(engine, engine.num_slots)
+        fill_masks(constrained, mask)
+    return engine.sample(logits, active, steps, mask=mask,
+                         needs_full=batch_needs_full(seq.request.sampling for seq in seqs))

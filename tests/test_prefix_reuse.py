@@ -1,0 +1,152 @@
+"""Every prefix-reuse path through the scheduler gives exactly the tokens of a cold run (the same request
+alone, caching off), on both model families and on the CPU serving default (W8A8 weights, int8 KV): the
+session's own slot, another slot at a position it passed more than a window ago, the host tier serving a
+prefix of an evicted conversation, a wait for another request's in-flight prefill, a full hit; and scopes
+(agents, cache salts) that must not share."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.config import ModelConfig
+from core.engine import Engine, EngineConfig
+from core.sampling import SamplingParams
+from core.tokenizer import Tokenizer
+from core.weights import random_params, to_w8a8
+from scheduler.request import GenerationRequest
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tiny_models import CONFIGS, WINDOW
+
+VOCAB = 262_144
+GREEDY = SamplingParams(temperature=0)
+SLOTS = 4
+SYSTEM_LEN = 3 * WINDOW + 2
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma3-w8a8-int8kv"])
+def engine(request, compile_cache):
+    family, _, variant = request.param.partition("-")
+    cfg = ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=11)
+    kv_dtype = None
+    if variant:
+        params, kv_dtype = to_w8a8(params), "int8"
+    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=160, chunk_sizes=(4, 16), kv_dtype=kv_dtype),
+                 "float32")
+    eng.warmup()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf):
+    return Tokenizer.from_pretrained(default_gguf)
+
+
+def make(engine, tokenizer, **config) -> Scheduler:
+    return Scheduler(engine, tokenizer, SchedulerConfig(**config), stop_ids=frozenset())
+
+
+def ids(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.random.default_rng(seed).integers(1000, VOCAB - 1000, size=n))
+
+
+def request(prompt, max_tokens=6, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=tuple(prompt), sampling=GREEDY, max_tokens=max_tokens, **kw)
+
+
+def cold(engine, tokenizer, req: GenerationRequest) -> list[int]:
+    sched = make(engine, tokenizer, prefix_caching=False)
+    handle = sched.submit(req)
+    sched.run_until_idle()
+    return handle.result(timeout=0)[0]
+
+
+def run_all(sched: Scheduler, reqs: list[GenerationRequest]):
+    handles = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    return [h.result(timeout=0) for h in handles]
+
+
+SYSTEM = ids(1, SYSTEM_LEN)
+
+
+def turn(system, seed: int, n: int = 5, **kw) -> GenerationRequest:
+    prompt = system + ids(seed, n)
+    return request(prompt, boundaries=(len(system),), **kw)
+
+
+def test_own_slot_resumes_the_conversation(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    first = turn(SYSTEM, 2, session="s")
+    out1 = run_all(sched, [first])[0][0]
+    second = request(first.prompt_ids + tuple(out1) + ids(3, 4), session="s")
+    out2, _, fin = run_all(sched, [second])[0]
+    assert fin.usage.cached_tokens == len(first.prompt_ids) + len(out1) - 1
+    assert sched.kv.stats.slot_reuses == 1 and sched.kv.stats.device_copies == 0
+    assert out2 == cold(engine, tokenizer, second)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_another_slot_serves_a_prefix_it_passed_more_than_a_window_ago(engine, tokenizer, busy):
+    """Session a's slot has moved 2 windows past the system prompt (and may still be decoding); session b's
+    request copies the system prompt from it."""
+    sched = make(engine, tokenizer)
+    a = turn(SYSTEM, 4, n=WINDOW, max_tokens=2 * WINDOW, session="a")
+    handle_a = sched.submit(a)
+    if busy:
+        for _ in range(8):
+            sched.step()
+    else:
+        sched.run_until_idle()
+    assert sched.slots[0].held > SYSTEM_LEN + WINDOW
+    b = turn(SYSTEM, 5, session="b")
+    out_b, _, fin_b = run_all(sched, [b])[0]
+    assert sched.kv.stats.device_copies == 1 and fin_b.usage.cached_tokens == SYSTEM_LEN
+    assert out_b == cold(engine, tokenizer, b)
+    assert handle_a.result(timeout=0)[0] == cold(engine, tokenizer, a)
+
+
+def test_the_host_tier_serves_a_prefix_of_an_evicted_conversation(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    run_all(sched, [turn(SYSTEM, 6, n=WINDOW, session="a")])
+    others = [request(ids(100 + i, 20), session=f"other{i}", agent="other") for i in range(SLOTS)]
+    run_all(sched, others)  # every slot now holds another agent's session: a's was saved to the host
+    assert sched.kv.stats.host_saves >= 1 and all(slot.scope != ("default", None) for slot in sched.slots)
+    b = turn(SYSTEM, 7, session="b")
+    out_b, _, fin_b = run_all(sched, [b])[0]
+    assert sched.kv.stats.host_restores == 1 and fin_b.usage.cached_tokens == SYSTEM_LEN
+    assert out_b == cold(engine, tokenizer, b)
+
+
+def test_a_new_system_prompt_sent_by_four_sessions_at_once_is_computed_once(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    system = ids(8, 5 * WINDOW)
+    reqs = [turn(system, 10 + i, session=f"s{i}") for i in range(4)]
+    results = run_all(sched, reqs)
+    assert sched.kv.stats.in_flight_waits == 3
+    assert sched.stats.prefill_tokens == len(system) + 4 * 5
+    for req, (out, _, _) in zip(reqs, results, strict=True):
+        assert out == cold(engine, tokenizer, req)
+    assert sorted(fin.usage.cached_tokens for _, _, fin in results) == [0] + [len(system)] * 3
+
+
+def test_the_same_request_twice_recomputes_only_its_last_token(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    req = turn(SYSTEM, 12, n=2 * WINDOW)
+    first = run_all(sched, [req])[0]
+    again = run_all(sched, [req])[0]
+    assert again[2].usage.cached_tokens == len(req.prompt_ids) - 1
+    assert again[0] == first[0] == cold(engine, tokenizer, req)
+
+
+def test_no_reuse_across_agents_or_cache_salts(engine, tokenizer):
+    sched = make(engine, tokenizer)
+    prompt = SYSTEM + ids(13, 5)
+    base = run_all(sched, [request(prompt, agent="x")])[0]
+    for kw in ({"agent": "y"}, {"agent": "x", "cache_salt": "tenant-b"}):
+        out, _, fin = run_all(sched, [request(prompt, **kw)])[0]
+        assert fin.usage.cached_tokens == 0 and out == base[0], kw
+    assert sched.kv.stats.device_copies == 0 and sched.kv.stats.host_restores == 0
+    out, _, fin = run_all(sched, [request(prompt, agent="x", cache_salt="tenant-b")])[0]
+    assert fin.usage.cached_tokens == len(prompt) - 1  # the same salt shares
