@@ -62,10 +62,11 @@ def mask_buffer(engine: Engine, rows: int) -> np.ndarray:
 
 def _prefill_rows(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
     logits = engine.prefill_rows([(chunk.seq.slot, chunk.tokens, chunk.start) for chunk in plan.rows])
-    seqs = [chunk.seq for chunk in plan.rows]
-    result = _sample_rows(engine, logits, seqs, np.zeros(engine.num_slots, np.int32))
-    for seq in seqs:
-        out.first[seq.id] = (result, seq.slot)
+    done = [chunk.seq for chunk in plan.rows if chunk.last]
+    if done:
+        result = _sample_rows(engine, logits, done, np.zeros(engine.num_slots, np.int32))
+        for seq in done:
+            out.first[seq.id] = (result, seq.slot)
 
 
 def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:

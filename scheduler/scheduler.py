@@ -50,6 +50,7 @@ from scheduler.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 ROWS_VERIFY_COST_PRIOR = 1.5
+ROW_PREFILL_CHUNKS = 4  # prefills with at most this many smallest chunks left advance in the batched call
 
 
 @dataclass(frozen=True)
@@ -280,17 +281,19 @@ class Scheduler:
         return seq
 
     def _plan_prefill(self, plan: StepPlan) -> None:
-        """Prefill chunks within the budget, first come first served; a chunk ends at the next message
-        boundary. One padded call for a whole piece when that wastes little (padding costs full compute on
-        CPU), else the largest full chunk; a tail shorter than the smallest chunk runs padded in it."""
+        """Prefill chunks within the budget, the least remaining work first (a turn after a cache hit, or a
+        request that waited for a shared prefix, is not queued behind a long new prompt); a chunk ends at a
+        message boundary when that adds no padded call. One padded call for a whole piece when that wastes
+        little (padding costs full compute on CPU), else the largest full chunk; a tail shorter than the
+        smallest chunk runs padded in it."""
         budget = self._plan_rows(plan, self.prefill_budget)
         sizes = self.engine.config.chunk_sizes
-        for seq in self._prefilling:
-            if seq.awaiting is not None or any(chunk.seq is seq for chunk in plan.rows):
-                continue
+        in_rows = {chunk.seq.id for chunk in plan.rows}
+        ready = [seq for seq in self._prefilling if seq.awaiting is None and seq.id not in in_rows]
+        for seq in sorted(ready, key=lambda s: len(s.prompt) - s.cursor):
             cursor = seq.cursor
             while budget > 0 and cursor < len(seq.prompt):
-                piece = min(seq.next_boundary(cursor) - cursor, sizes[-1])
+                piece = min(seq.next_boundary(cursor, sizes[0]) - cursor, sizes[-1])
                 covering = next(size for size in sizes if size >= piece)
                 fitting = [size for size in sizes if size <= min(piece, budget)]
                 if covering <= budget and (not fitting or covering - piece <= piece // 4):
@@ -306,15 +309,17 @@ class Scheduler:
                 return
 
     def _plan_rows(self, plan: StepPlan, budget: int) -> int:
-        """Finish many short prompts (at most the smallest chunk left, e.g. chat turns after a prefix-cache
-        hit) in one batched call and sample their first tokens together. The call costs about S x chunk
-        tokens whatever the count, so it runs only when at least half the slots would use it."""
+        """Advance many short prefills (at most a few smallest chunks left, e.g. chat turns after a prefix-cache
+        hit) together: one batched call takes up to one smallest chunk of each, and samples the first tokens
+        of those it completes. The call costs about S x chunk tokens whatever the count, so it runs only when
+        at least half the slots would use it."""
         width, rows = self.engine.row_chunk, self.engine.num_slots
         short = [seq for seq in self._prefilling
-                 if seq.awaiting is None and len(seq.prompt) - seq.cursor <= width]
+                 if seq.awaiting is None and len(seq.prompt) - seq.cursor <= ROW_PREFILL_CHUNKS * width]
         if len(short) < max(2, rows // 2):
             return budget
-        plan.rows = [PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:], np.int32)) for seq in short]
+        plan.rows = [PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:seq.cursor + width], np.int32))
+                     for seq in short]
         return max(0, budget - width * rows)  # may exceed a small budget: it replaces that many separate calls
 
     def _plan_decode(self, plan: StepPlan) -> None:

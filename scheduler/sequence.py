@@ -69,6 +69,8 @@ class Sequence:
     def scope(self) -> tuple[str, str | None]:
         return self.request.cache_scope
 
-    def next_boundary(self, after: int) -> int:
-        """The first message boundary past `after` (the prompt's end if none)."""
-        return min((b for b in self.request.boundaries if after < b < len(self.prompt)), default=len(self.prompt))
+    def next_boundary(self, after: int, min_piece: int) -> int:
+        """Where the prefill chunk from `after` ends: the first message boundary with at least `min_piece`
+        prompt tokens on each side of it (a shorter piece would cost a padded call of its own), else the end."""
+        end = len(self.prompt)
+        return min((b for b in self.request.boundaries if after + min_piece <= b <= end - min_piece), default=end)

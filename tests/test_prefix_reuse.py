@@ -6,20 +6,16 @@ prefix of an evicted conversation, a wait for another request's in-flight prefil
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from core.config import ModelConfig
 from core.engine import Engine, EngineConfig
-from core.sampling import SamplingParams
 from core.tokenizer import Tokenizer
 from core.weights import random_params, to_w8a8
 from scheduler.request import GenerationRequest
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler_helpers import VOCAB, cold, ids, make, request, run_all
 from tiny_models import CONFIGS, WINDOW
 
-VOCAB = 262_144
-GREEDY = SamplingParams(temperature=0)
 SLOTS = 4
 SYSTEM_LEN = 3 * WINDOW + 2
 
@@ -41,31 +37,6 @@ def engine(request, compile_cache):
 @pytest.fixture(scope="module")
 def tokenizer(default_gguf):
     return Tokenizer.from_pretrained(default_gguf)
-
-
-def make(engine, tokenizer, **config) -> Scheduler:
-    return Scheduler(engine, tokenizer, SchedulerConfig(**config), stop_ids=frozenset())
-
-
-def ids(seed: int, n: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in np.random.default_rng(seed).integers(1000, VOCAB - 1000, size=n))
-
-
-def request(prompt, max_tokens=6, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt_ids=tuple(prompt), sampling=GREEDY, max_tokens=max_tokens, **kw)
-
-
-def cold(engine, tokenizer, req: GenerationRequest) -> list[int]:
-    sched = make(engine, tokenizer, prefix_caching=False)
-    handle = sched.submit(req)
-    sched.run_until_idle()
-    return handle.result(timeout=0)[0]
-
-
-def run_all(sched: Scheduler, reqs: list[GenerationRequest]):
-    handles = [sched.submit(r) for r in reqs]
-    sched.run_until_idle()
-    return [h.result(timeout=0) for h in handles]
 
 
 SYSTEM = ids(1, SYSTEM_LEN)

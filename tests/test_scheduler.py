@@ -14,11 +14,8 @@ from core.sampling import SamplingParams
 from core.tokenizer import Tokenizer
 from core.weights import random_params
 from scheduler.request import ContextLengthError, FinishEvent, FinishReason, GenerationRequest, QueueFullError
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler_helpers import GREEDY, VOCAB, cold, ids, make, request, run_all
 from tiny_models import GEMMA3, WINDOW
-
-VOCAB = 262_144
-GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -35,32 +32,6 @@ def engine(compile_cache):
 @pytest.fixture(scope="module")
 def tokenizer(default_gguf):
     return Tokenizer.from_pretrained(default_gguf)
-
-
-def make(engine, tokenizer, **config) -> Scheduler:
-    # No stop ids: random weights would end streams at random; tests set lengths explicitly.
-    return Scheduler(engine, tokenizer, SchedulerConfig(**config), stop_ids=frozenset())
-
-
-def ids(seed: int, n: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in np.random.default_rng(seed).integers(1000, VOCAB - 1000, size=n))
-
-
-def request(prompt, max_tokens=6, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt_ids=tuple(prompt), sampling=kw.pop("sampling", GREEDY), max_tokens=max_tokens, **kw)
-
-
-def cold(engine, tokenizer, req: GenerationRequest) -> list[int]:
-    sched = make(engine, tokenizer, prefix_caching=False)
-    handle = sched.submit(req)
-    sched.run_until_idle()
-    return handle.result(timeout=0)[0]
-
-
-def run_all(sched: Scheduler, reqs: list[GenerationRequest]):
-    handles = [sched.submit(r) for r in reqs]
-    sched.run_until_idle()
-    return [h.result(timeout=0) for h in handles]
 
 
 def test_second_turn_prefills_only_new_tokens_in_the_same_slot(engine, tokenizer):
@@ -382,3 +353,36 @@ def test_short_prompts_arriving_together_are_prefilled_in_one_call(engine, token
     few = make(engine, tokenizer, prefix_caching=False)  # fewer than half the slots: one call each
     run_all(few, reqs[:3])
     assert few.stats.batched_prefills == 0
+
+
+def test_short_prefills_advance_together_a_chunk_at_a_time(engine, tokenizer):
+    """Six prompts of three smallest chunks each: batched calls take one chunk of every one until all are done
+    (three calls, not eighteen), and every output equals the request served alone."""
+    width = engine.row_chunk
+    reqs = [request(ids(80 + i, 3 * width - i % 2), max_tokens=3) for i in range(6)]
+    sched = make(engine, tokenizer, prefix_caching=False)
+    results = run_all(sched, reqs)
+    assert sched.stats.batched_prefills == 3 and sched.stats.prefill_chunks == 3
+    for req, got in zip(reqs, results, strict=True):
+        assert got[0] == cold(engine, tokenizer, req)
+
+
+def test_the_least_remaining_prefill_goes_first(engine, tokenizer):
+    """A long new prompt and a short one admitted together: the short one's first token does not wait for the
+    long prefill."""
+    sched = make(engine, tokenizer, prefill_budget=16)
+    long_one = sched.submit(request(ids(90, 120), max_tokens=2))
+    short_one = sched.submit(request(ids(91, 6), max_tokens=2))
+    sched.run_until_idle()
+    first = lambda h: next(iter(h.events(timeout=0))).iteration  # noqa: E731
+    assert first(short_one) == 0 and first(long_one) >= 120 // 16 - 1
+
+
+def test_prefill_chunks_end_at_message_boundaries_that_cost_no_padded_call():
+    from scheduler.sequence import Sequence
+
+    req = GenerationRequest(prompt_ids=tuple(range(1, 101)), boundaries=(3, 40, 97))
+    seq = Sequence(id=0, request=req, handle=None, detokenizer=None, stop_matcher=None, max_tokens=4, seed=0)
+    assert seq.next_boundary(0, 4) == 40  # 3 leaves a 3-token piece; 40 has 4+ tokens on each side
+    assert seq.next_boundary(40, 4) == 100  # 97 would leave a 3-token tail
+    assert seq.next_boundary(38, 4) == 100

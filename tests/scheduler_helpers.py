@@ -1,0 +1,40 @@
+"""Helpers for scheduler tests on tiny random models with the real 262k vocabulary: schedulers without stop
+ids, deterministic prompts, greedy requests, and the cold run (the request alone, caching off) that every
+cache path must reproduce."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from core.sampling import SamplingParams
+from scheduler.request import GenerationRequest
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 262_144
+GREEDY = SamplingParams(temperature=0)
+
+
+def make(engine, tokenizer, **config) -> Scheduler:
+    # No stop ids: random weights would end streams at random; tests set lengths explicitly.
+    return Scheduler(engine, tokenizer, SchedulerConfig(**config), stop_ids=frozenset())
+
+
+def ids(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.random.default_rng(seed).integers(1000, VOCAB - 1000, size=n))
+
+
+def request(prompt, max_tokens=6, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=tuple(prompt), sampling=kw.pop("sampling", GREEDY), max_tokens=max_tokens, **kw)
+
+
+def cold(engine, tokenizer, req: GenerationRequest) -> list[int]:
+    sched = make(engine, tokenizer, prefix_caching=False)
+    handle = sched.submit(req)
+    sched.run_until_idle()
+    return handle.result(timeout=0)[0]
+
+
+def run_all(sched: Scheduler, reqs: list[GenerationRequest]):
+    handles = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    return [h.result(timeout=0) for h in handles]
