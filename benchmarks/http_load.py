@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,17 @@ def prompt_for(i: int) -> str:
     return PROMPTS[i % len(PROMPTS)].format(topic=TOPICS[i % len(TOPICS)]) + f" (session {i})"
 
 
+async def sse_chunks(response: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a server-sent event stream, up to `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int, t0: float) -> dict[str, Any]:
     body = {
         "model": model,
@@ -120,14 +132,8 @@ async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int
             if response.status_code != 200:
                 out["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return out
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            async for chunk in sse_chunks(response):
                 now = time.perf_counter()
-                chunk = json.loads(data)
                 if "error" in chunk:
                     out["error"] = str(chunk["error"])[:300]
                     break
