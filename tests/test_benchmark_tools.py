@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,29 @@ def test_llama_batched_bench_table_is_parsed():
 llama_perf_context_print: total time"""
     rows = parse_table(text)
     assert [(r["PP"], r["S_PP t/s"]) for r in rows] == [(32.0, 271.7), (512.0, 298.27)]
+
+
+def test_unique_prefix_tokens_counts_distinct_prefixes():
+    from benchmarks.agents_http import unique_prefix_tokens
+
+    assert unique_prefix_tokens([]) == 0
+    assert unique_prefix_tokens([[1, 2, 3], [1, 2, 4], [5]]) == 5
+    assert unique_prefix_tokens([[1, 2], [1, 2], [1]]) == 2
+
+
+def test_kv_layout_memory_table_matches_the_cache_the_engine_allocates():
+    """The layout benchmark's bytes for the full layout are what core.kv_cache allocates per slot; the ring
+    layout keeps window + 7 positions of each sliding layer."""
+    from benchmarks.kv_layout import memory_table
+    from core.config import ModelConfig
+    from core.kv_cache import CacheSpec, cache_bytes_per_slot
+
+    table = memory_table(8192)
+    for name in ("gemma3-270m", "gemma4-e2b"):
+        cfg = ModelConfig.from_hf_dict(json.loads(Path(f"configs/models/{name}.json").read_text()))
+        for dtype in ("int8", "bfloat16"):
+            row = table[name][dtype]
+            assert row["full_bytes_per_slot"] == cache_bytes_per_slot(cfg, CacheSpec(1, 8192, dtype))
+            sliding = row["full_bytes_per_position"] - row["ring_global_bytes_per_position"]
+            assert row["ring_bytes_per_slot"] == 8192 * row["ring_global_bytes_per_position"] + 519 * sliding
+    assert table["gemma3-270m"]["int8"]["ring_checkpoint_bytes"] == 15 * 519 * (2 * 256 + 8)
