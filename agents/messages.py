@@ -16,6 +16,7 @@ __all__ = [
     "ROLES",
     "MessageError",
     "TemplateError",
+    "invalid_text_path",
     "message_text",
     "normalize_message",
     "normalize_messages",
@@ -33,6 +34,29 @@ class MessageError(ValueError):
 
 class TemplateError(ValueError):
     """A conversation or chat template that cannot be rendered safely (the server answers 400)."""
+
+
+def invalid_text_path(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string in a JSON value that is not valid Unicode text
+    (a lone surrogate such as "\\ud800", which JSON can carry but no tokenizer can encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(value)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            found = invalid_text_path(key, where) or invalid_text_path(item, where)
+            if found:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = invalid_text_path(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

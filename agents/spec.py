@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
+from agents.messages import invalid_text_path
 from scheduler.grammar_spec import ConstraintSpec
 
 __all__ = ["AGENT_NAME_PATTERN", "AgentSpec", "SamplingDefaults"]
@@ -68,6 +69,13 @@ class AgentSpec(BaseModel):
     context_limit: int | None = Field(None, ge=1, description="max prompt tokens for this agent")
     priority: int = Field(1, ge=1)
     api_keys: list[ApiKey] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_text(self) -> AgentSpec:
+        where = invalid_text_path(self.model_dump(exclude={"api_keys"}))
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
+        return self
 
     @field_validator("response_format")
     @classmethod

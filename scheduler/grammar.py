@@ -44,6 +44,7 @@ from scheduler.grammar_outlines import OutlinesCoreBackend, OutlinesMatcher
 from scheduler.grammar_spec import (
     TOOL_CALL_MARKER,
     ConstraintSpec,
+    GrammarBusyError,
     UnsupportedConstraintError,
     parse_tool_calls,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "TOOL_CALL_MARKER",
     "CompiledGrammar",
     "ConstraintSpec",
+    "GrammarBusyError",
     "GrammarCompiler",
     "GrammarMatcher",
     "UnsupportedConstraintError",
@@ -76,11 +78,14 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles `ConstraintSpec`s for one tokenizer and backend; cached, thread-safe.
 
-    Compiles run on a small thread pool (both backends release the GIL while compiling). A compile
-    that takes longer than ``compile_timeout_s`` (counted from when it starts running) is refused, as
-    is a constraint over ``max_schema_bytes``; refusals are cached like results, so a pathological
-    schema costs one compile. ``vocab_size`` is the model's (logit) vocabulary if it is larger than
-    the tokenizer's; the extra ids are never allowed.
+    Compiles run on a small thread pool (both backends release the GIL while compiling). Each has
+    ``compile_timeout_s`` from its submission: a schema still compiling then is refused as too complex,
+    one still queued behind others gets `GrammarBusyError` (HTTP 429; nothing is cached, a retry may
+    succeed). At most ``max_pending`` compiles are queued or running (one that timed out still holds its
+    worker until it ends); a new schema beyond that gets `GrammarBusyError` at once, so a flood of slow
+    schemas costs bounded work. A constraint over ``max_schema_bytes`` is refused before compiling; refusals
+    are cached like results, so a pathological schema costs one compile. ``vocab_size`` is the model's
+    (logit) vocabulary if it is larger than the tokenizer's; the extra ids are never allowed.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class GrammarCompiler:
         *,
         vocab_size: int | None = None,
         max_workers: int = 2,
+        max_pending: int = 8,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown grammar backend {backend!r}; choose from {sorted(BACKENDS)}")
@@ -103,6 +109,9 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._backend = BACKENDS[backend](tokenizer, vocab_size)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self.max_pending = max_pending
+        self._pending = 0  # compiles queued or running
+        self._started: set[int] = set()  # ids of futures whose compile has begun
         self._lock = threading.Lock()
         self._cache: OrderedDict[ConstraintSpec, Future[CompiledGrammar]] = OrderedDict()
         self.hits = 0
@@ -129,6 +138,7 @@ class GrammarCompiler:
         """A future of the compiled grammar; concurrent requests for one spec share one compile."""
         if not isinstance(spec, ConstraintSpec):
             raise TypeError(f"expected a ConstraintSpec, got {type(spec).__name__}")
+        size = len(spec.value.encode())
         with self._lock:
             future = self._cache.get(spec)
             if future is not None and not future.cancelled():
@@ -137,15 +147,23 @@ class GrammarCompiler:
                 return future
             self.misses += 1
             future = Future()
+            if size > self.max_schema_bytes:
+                future.set_exception(UnsupportedConstraintError(
+                    "schema size", f"{size} bytes, over the limit of {self.max_schema_bytes}"))
+            elif self._pending >= self.max_pending:
+                future.set_exception(GrammarBusyError(f"{self._pending} schemas are compiling; try again shortly"))
+                return future  # not cached: a retry may find room
+            else:
+                self._pending += 1
             self._cache[spec] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        size = len(spec.value.encode())
-        if size > self.max_schema_bytes:
-            future.set_exception(
-                UnsupportedConstraintError("schema size", f"{size} bytes, over the limit of {self.max_schema_bytes}")
-            )
+        if future.done():
             return future
+        timer = threading.Timer(self.compile_timeout_s, self._expire, (spec, future))
+        timer.daemon = True
+        timer.start()
+        future.add_done_callback(lambda _: timer.cancel())
         self._pool.submit(self._run, spec, future)
         return future
 
@@ -165,33 +183,45 @@ class GrammarCompiler:
     # ---- internals ------------------------------------------------------------------------------
 
     def _run(self, spec: ConstraintSpec, future: Future[CompiledGrammar]) -> None:
-        if future.done():  # cancelled while queued
-            return
-        # The one-time tokenizer bridge is not compile time: build it before the clock starts.
-        self._backend.warm_up()
-        timer = threading.Timer(self.compile_timeout_s, self._expire, (spec, future))
-        timer.daemon = True
-        timer.start()
-        start = time.perf_counter()
         try:
-            handle = self._backend.compile(spec)
-        except UnsupportedConstraintError as e:
-            self._settle(future, error=e)
-        except Exception as e:  # a bug or resource error, not a verdict on the spec: do not cache it
             with self._lock:
-                if self._cache.get(spec) is future:
-                    del self._cache[spec]
-            self._settle(future, error=e)
-        else:
-            compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle)
-            self._settle(future, result=compiled)
+                if future.done():  # timed out or cancelled while queued
+                    return
+                self._started.add(id(future))
+            self._backend.warm_up()  # the one-time tokenizer bridge (built at start-up in serving)
+            start = time.perf_counter()
+            try:
+                handle = self._backend.compile(spec)
+            except UnsupportedConstraintError as e:
+                self._settle(future, error=e)
+            except Exception as e:  # a bug or resource error, not a verdict on the spec: do not cache it
+                self._forget(spec, future)
+                self._settle(future, error=e)
+            else:
+                compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle)
+                self._settle(future, result=compiled)
         finally:
-            timer.cancel()
+            with self._lock:
+                self._pending -= 1
+                self._started.discard(id(future))
 
     def _expire(self, spec: ConstraintSpec, future: Future[CompiledGrammar]) -> None:
-        # The compile itself cannot be interrupted; it finishes in the background and is dropped.
-        detail = f"compiling took longer than {self.compile_timeout_s:g} s"
-        self._settle(future, error=UnsupportedConstraintError("grammar too complex", detail))
+        """compile_timeout_s after submission: a running compile is refused as too complex (it finishes in the
+        background and is dropped: it cannot be interrupted); a queued one is refused as busy, uncached."""
+        with self._lock:
+            running = id(future) in self._started
+        if running:
+            detail = f"compiling took longer than {self.compile_timeout_s:g} s"
+            self._settle(future, error=UnsupportedConstraintError("grammar too complex", detail))
+        else:
+            self._forget(spec, future)
+            self._settle(future, error=GrammarBusyError(
+                f"the schema waited {self.compile_timeout_s:g} s for a compile worker; try again shortly"))
+
+    def _forget(self, spec: ConstraintSpec, future: Future[CompiledGrammar]) -> None:
+        with self._lock:
+            if self._cache.get(spec) is future:
+                del self._cache[spec]
 
     @staticmethod
     def _settle(

@@ -36,6 +36,10 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+class GrammarBusyError(RuntimeError):
+    """Every grammar compile worker is taken (HTTP 429): nothing about the schema was decided."""
+
+
 class UnsupportedConstraintError(ValueError):
     """A constraint we will not enforce exactly (unsupported feature, invalid or oversize input).
 

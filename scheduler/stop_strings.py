@@ -17,9 +17,9 @@ matched == "ab" and emits "" (either way the emitted text is what precedes the e
 Strings are compared as Python str (code points): the detokenizer is expected to hold back incomplete UTF-8
 byte sequences itself, so a delta never ends inside a character.
 
-Cost: each push scans the held-back text plus the delta once per distinct stop (str.find, in C), and tries
-at most (longest stop - 1) suffixes against a set of stop prefixes: O(total length x number of stops +
-pushes x longest stop^2) overall.
+Cost: one Knuth-Morris-Pratt automaton per stop string, carried across pushes (its state is the length of
+the longest prefix of that stop the text now ends with), so each pushed character costs amortized O(1) per
+stop and memory is linear in the stop strings' total length; the server bounds their count and length.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ class StopMatcher:
                 raise ValueError("empty stop string")
             unique[stop] = None
         self._stops: tuple[str, ...] = tuple(unique)
-        # Every proper prefix of every stop: the text that may still grow into a stop and must be held back.
-        self._prefixes: frozenset[str] = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
-        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._fail = [_failure(stop) for stop in self._stops]
+        self._state = [0] * len(self._stops)  # per stop: how much of it the text seen so far ends with
         self._held = ""
         self._matched: str | None = None
         self._finished = False
@@ -75,29 +74,25 @@ class StopMatcher:
             state = f"stopped on {self._matched!r}" if self.stopped else "flushed"
             raise RuntimeError(f"push after the stream ended ({state})")
         pending = self._held + delta
-        # The held text contains no complete stop and every earlier start was ruled out when it was released,
-        # so any occurrence found in `pending` is new, and the first one per stop is the first to end.
-        best_end = best_start = -1
-        best_stop: str | None = None
-        for stop in self._stops:
-            start = pending.find(stop)
-            if start < 0:
-                continue
-            end = start + len(stop)
-            if best_stop is None or end < best_end or (end == best_end and start < best_start):
-                best_end, best_start, best_stop = end, start, stop
-        if best_stop is not None:
-            self._matched = best_stop
-            self._finished = True
-            self._held = ""
-            return pending[:best_start], True
-        # Hold back the longest suffix that is a proper prefix of some stop; everything before it is safe.
-        hold = 0
-        for k in range(min(len(pending), self._max_hold), 0, -1):
-            if pending[-k:] in self._prefixes:
-                hold = k
-                break
-        cut = len(pending) - hold
+        base = len(self._held)
+        for i, char in enumerate(delta):
+            done = None
+            for j, stop in enumerate(self._stops):
+                state, fail = self._state[j], self._fail[j]
+                while state and stop[state] != char:
+                    state = fail[state - 1]
+                if stop[state] == char:
+                    state += 1
+                self._state[j] = state
+                if state == len(stop) and (done is None or len(stop) > len(done)):
+                    done = stop  # the first stop to end here; the longest among those ending together
+            if done is not None:
+                self._matched = done
+                self._finished = True
+                self._held = ""
+                return pending[:base + i + 1 - len(done)], True
+        # Hold back what may still grow into a stop: the longest prefix of any stop that the text ends with.
+        cut = len(pending) - max(self._state, default=0)
         self._held = pending[cut:]
         return pending[:cut], False
 
@@ -109,3 +104,17 @@ class StopMatcher:
         self._finished = True
         out, self._held = self._held, ""
         return out
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP failure function: for each prefix pattern[:i + 1], the length of its longest proper prefix that is
+    also its suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail

@@ -36,12 +36,13 @@ from agents.registry import AgentRegistry
 from agents.service import ChatParams, ChatService, Generation, Runtime, ToolCallFilter, build_runtime
 from agents.spec import AgentSpec
 from agents.store import SessionLimitError, Store, open_store
+from scheduler.grammar_spec import GrammarBusyError
 from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
 from server.auth import Auth
 from server.config import ServerConfig
 from server.errors import APIError, error_body, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
-from server.schemas import ChatCompletionRequest, CompletionRequest, unsupported_values
+from server.schemas import ChatCompletionRequest, CompletionRequest, request_problem
 from server.streaming import DONE, MEDIA_TYPE, SSE_HEADERS, sse
 
 log = logging.getLogger("slotserve.server")
@@ -457,9 +458,10 @@ async def _agent(request: Request, name: str) -> AgentSpec:
 
 
 def _check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    problem = unsupported_values(body)
+    problem = request_problem(body)
     if problem is not None:
-        raise APIError(400, problem[1], param=problem[0], code="unsupported_parameter")
+        param, message, code = problem
+        raise APIError(400, message, param=param, code=code)
 
 
 def _session_id(request: Request, body: ChatCompletionRequest) -> str | None:
@@ -565,8 +567,6 @@ def _generation_failed(fin: FinishEvent) -> APIError:
 
 def _chat_params(body: ChatCompletionRequest, session_id: str | None) -> ChatParams:
     rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
-    if rf and rf.get("type") == "json_schema" and "schema" not in rf["json_schema"]:
-        rf = {"type": "json_object"}
     tool_choice = body.tool_choice
     if tool_choice is not None and not isinstance(tool_choice, str):
         tool_choice = tool_choice.model_dump()
@@ -589,7 +589,7 @@ async def _submit(state: Any, service: Any, agent: Any, params: Any, tracker: An
     try:
         gen = await service.submit(agent, params)
     except Exception as exc:
-        overloaded = isinstance(exc, QueueFullError | SessionLimitError)
+        overloaded = isinstance(exc, QueueFullError | SessionLimitError | GrammarBusyError)
         tracker.done(None, 429 if overloaded else getattr(exc, "status", 400))
         raise
     state.live.add(gen)
@@ -700,8 +700,6 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
 
 def _completion_params(body: CompletionRequest) -> ChatParams:
     rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
-    if rf and rf.get("type") == "json_schema" and "schema" not in rf["json_schema"]:
-        rf = {"type": "json_object"}
     return ChatParams(
         prompt=body.prompt, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,

@@ -20,7 +20,7 @@ from agents.messages import MessageError, TemplateError
 from agents.registry import AgentConflictError, ReadOnlyAgentError, UnknownAgentError
 from agents.service import InvalidRequestError
 from agents.store import InvalidSessionIdError, SessionLimitError, StoreError
-from scheduler.grammar_spec import UnsupportedConstraintError
+from scheduler.grammar_spec import GrammarBusyError, UnsupportedConstraintError
 from scheduler.request import ContextLengthError, QueueFullError
 
 log = logging.getLogger("slotserve.server")
@@ -91,11 +91,16 @@ def validation_error(errors: list[dict[str, Any]], status: int = 400) -> APIErro
     return APIError(status, f"invalid value for {param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
+RETRY_AFTER_S = 2  # what a 429 tells the client to wait before retrying
+
+
 def install_error_handlers(app: FastAPI) -> None:
     def handler(status: int, code: str | None = None, param_of=None):
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+
         async def handle(request: Request, exc: Exception) -> JSONResponse:
             param = param_of(exc) if param_of else None
-            return APIError(status, str(exc), code=code, param=param).response()
+            return APIError(status, str(exc), code=code, param=param, headers=headers).response()
 
         return handle
 
@@ -135,6 +140,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ReadOnlyAgentError, handler(403, "agent_read_only"))
     app.add_exception_handler(QueueFullError, handler(429, "queue_full"))
     app.add_exception_handler(SessionLimitError, handler(429, "session_limit"))
+    app.add_exception_handler(GrammarBusyError, handler(429, "grammar_busy"))
     app.add_exception_handler(ContextLengthError, handler(400, "context_length_exceeded"))
     app.add_exception_handler(PromptTooLongError, handler(400, "context_length_exceeded"))
     app.add_exception_handler(InvalidSessionIdError, handler(400, "invalid_session_id"))

@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agents.messages import invalid_text_path
 from agents.store import SESSION_ID_PATTERN
 
 _FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_STOP = 16
+MAX_STOP_CHARS = 512  # per stop sequence; matching is linear in it, and nothing longer is a sensible stop
 MAX_LOGIT_BIAS = 300
 
 
@@ -148,6 +150,8 @@ class _Sampling(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return value
 
     @field_validator("logit_bias")
@@ -204,10 +208,17 @@ class CompletionRequest(_Sampling):
         return value
 
 
-def unsupported_values(body: _Sampling) -> tuple[str, str] | None:
-    """(param, message) for a known parameter set to a value slotserve cannot honour."""
+def request_problem(body: _Sampling) -> tuple[str, str, str] | None:
+    """(param, message, code) for a request that passed the schema but cannot be served as asked."""
     if body.n is not None and body.n != 1:
-        return "n", "n > 1 is not supported: one choice per request"
+        return "n", "n > 1 is not supported: one choice per request", "unsupported_parameter"
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
-        return "top_logprobs", "top_logprobs requires logprobs: true"
+        return "top_logprobs", "top_logprobs requires logprobs: true", "unsupported_parameter"
+    rf = body.response_format
+    if isinstance(rf, ResponseFormatJSONSchema) and rf.json_schema.schema_ is None:
+        return ("response_format.json_schema.schema", "response_format json_schema needs a schema (use type "
+                "json_object for any JSON object)", "invalid_value")
+    where = invalid_text_path(body.model_dump(by_alias=True, exclude_none=True))
+    if where is not None:
+        return where, f"{where} is not valid Unicode text (it holds a lone surrogate)", "invalid_value"
     return None

@@ -330,6 +330,37 @@ def test_slow_compile_is_refused_and_the_refusal_cached(tokenizer, compiler):
         slow.close()
 
 
+def test_a_flood_of_slow_schemas_is_refused_as_busy_with_bounded_work(tokenizer, compiler):
+    """Two workers, four compiles at most in flight, every compile stuck: the first two run and are refused as
+    too complex when their time is up; the next two wait their whole time for a worker and are refused as
+    busy (not cached: a retry may succeed); a fifth distinct schema is refused as busy at once. Nothing queues
+    without bound, and every answer comes within the timeout of its submission."""
+    from scheduler.grammar_spec import GrammarBusyError
+
+    slow = GrammarCompiler(tokenizer, compile_timeout_s=0.3, max_workers=2, max_pending=4)
+    release = threading.Event()
+    real = slow._backend.compile
+    slow._backend.compile = lambda spec: (release.wait(10), real(spec))[1]  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        futures = [slow.compile_async(ConstraintSpec.regex(f"slow{i}")) for i in range(4)]
+        with pytest.raises(GrammarBusyError):
+            slow.compile_async(ConstraintSpec.regex("slow4")).result(timeout=0)
+        errors = [f.exception(timeout=3) for f in futures]
+        assert time.perf_counter() - start < 2
+        assert [type(e).__name__ for e in errors] == ["UnsupportedConstraintError"] * 2 + ["GrammarBusyError"] * 2
+        assert slow.cache_info()["size"] == 2  # only the verdicts on schemas that were compiled are kept
+        release.set()
+        deadline = time.perf_counter() + 10
+        while slow._pending and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert slow._pending == 0
+        assert slow.compile(ConstraintSpec.regex("slow3")).spec.value  # the busy one compiles on a retry
+    finally:
+        release.set()
+        slow.close()
+
+
 # --------------------------------------------------------------------------------------------------
 # cache and async
 # --------------------------------------------------------------------------------------------------

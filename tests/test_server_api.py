@@ -331,6 +331,37 @@ def test_bad_bodies_are_400_not_500(server):
                                                  "logit_bias": {"999999999": 5}}), 400)
 
 
+def test_bad_input_is_refused_before_any_work_naming_the_field(server):
+    """Stop strings are bounded in count and length; text no tokenizer can encode (a lone surrogate, which JSON
+    can carry) is a 400 naming where it is, in a message or anywhere else; a json_schema format without a
+    schema is refused, not served as any JSON object."""
+    body = _error(post(server, "/v1/chat/completions", {"model": "assistant", "messages": USER,
+                                                       "stop": "x" * 10_000}), 400)
+    assert body["param"] == "stop" and "512 characters" in body["message"]
+    body = _error(post(server, "/v1/chat/completions", {"model": "assistant", "messages": USER,
+                                                       "stop": [f"s{i}" for i in range(17)]}), 400)
+    assert body["param"] == "stop"
+    for raw, param in (
+        (b'{"model":"assistant","messages":[{"role":"user","content":"hi \\ud800 there"}]}', "messages[0].content"),
+        (b'{"model":"assistant","messages":[{"role":"user","content":[{"type":"text","text":"\\udfff"}]}]}',
+         "messages[0].content[0].text"),
+        (b'{"model":"assistant","messages":[{"role":"user","content":"ok"}],"stop":["\\ud800"]}', "stop[0]"),
+    ):
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=raw, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert _error(r, 400)["param"] == param
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"model":"assistant","prompt":"\\ud83d"}', timeout=30,
+                   headers={"content-type": "application/json"})
+    assert _error(r, 400)["param"] == "prompt"
+    rf = {"type": "json_schema", "json_schema": {"name": "x"}}
+    body = _error(post(server, "/v1/chat/completions", {"model": "assistant", "messages": USER,
+                                                       "response_format": rf}), 400)
+    assert body["param"] == "response_format.json_schema.schema"
+    r = httpx.post(f"{server.url}/admin/agents", timeout=30, headers={"content-type": "application/json"},
+                   content=b'{"name":"surrogate","system_prompt":"\\ud800"}')
+    assert r.status_code in (400, 422) and "system_prompt" in r.text
+
+
 def test_body_size_limit_is_413(server):
     big = {"model": "assistant", "messages": [{"role": "user", "content": "x" * 70_000}]}
     _error(post(server, "/v1/chat/completions", big), 413)

@@ -185,3 +185,20 @@ def test_property_against_reference() -> None:
             assert emitted == expected, (text, stops, deltas)
             assert matcher.matched == expected_stop
             assert stopped == (expected_stop is not None)
+
+
+def test_long_stops_keep_linear_state_and_match_correctly() -> None:
+    """Sixteen 512-character stops: the matcher keeps one failure table per stop (linear in their total length,
+    not every prefix), and a stream of near-misses ("aaa...a" against "aaa...ab") holds back exactly the part
+    that may still become a stop, then stops on the first complete one."""
+    stops = ["a" * 511 + chr(ord("b") + i) for i in range(16)]
+    m = StopMatcher(stops)
+    assert sum(len(f) for f in m._fail) == sum(len(s) for s in stops)
+    out = []
+    for _ in range(2000):
+        text, stopped = m.push("a")
+        out.append(text)
+        assert not stopped
+    assert len("".join(out)) == 2000 - 511 and m.held == "a" * 511
+    text, stopped = m.push("cX")
+    assert stopped and m.matched == stops[1] and text == ""
