@@ -22,6 +22,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ from scheduler.kv_manager import CacheConfig, KVCacheManager
 from scheduler.plan import PrefillChunk, StepOutcome, StepPlan, StepRow
 from scheduler.request import (
     ContextLengthError,
+    EngineFailedError,
     Event,
     FinishEvent,
     FinishReason,
@@ -117,6 +119,8 @@ class Scheduler:
         # Wall seconds of recent decode steps and batched verify steps (moving averages), for the choice
         # between them; None until measured.
         self._step_seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
+        self.failure: str | None = None  # why the engine loop died, once it has
+        self.on_failure: Callable[[str], None] | None = None  # called on the engine thread after it died
 
     @property
     def slots(self) -> list[Slot]:
@@ -132,6 +136,8 @@ class Scheduler:
 
     # ---- caller side (any thread) ----------------------------------------------------------
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
+        if self.failure is not None:
+            raise EngineFailedError(f"the engine loop died ({self.failure})")
         if len(request.prompt_ids) >= self.engine.max_len:
             raise ContextLengthError(
                 f"prompt of {len(request.prompt_ids)} tokens exceeds the context length "
@@ -192,8 +198,13 @@ class Scheduler:
                     except queue.Empty:
                         continue
                 self.step()
+        except BaseException as e:  # noqa: BLE001 - the loop is dead: say why, end every stream, tell the owner
+            self.failure = f"{type(e).__name__}: {e}"
+            log.exception("the engine loop died")
         finally:
             self._shutdown()
+        if self.failure is not None and self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def _has_work(self) -> bool:
         return bool(self._waiting_count or self.running or not self._inbox.empty())
@@ -480,16 +491,18 @@ class Scheduler:
         self.stats.cancelled += reason is FinishReason.CANCELLED
 
     def _shutdown(self) -> None:
-        """Engine thread exit: end every stream cleanly."""
+        """Engine thread exit: end every stream with a finish event (an error one if the loop died)."""
+        reason, why = ((FinishReason.ERROR, f"the engine loop died ({self.failure})") if self.failure is not None
+                       else (FinishReason.CANCELLED, "server shutting down"))
         self._drain_inbox()
         for q in self._waiting.values():
             while q:
                 with self._lock:
                     self._waiting_count -= 1
-                self._finish(q.popleft(), FinishReason.CANCELLED, "server shutting down")
+                self._finish(q.popleft(), reason, why)
         for slot in self.slots:
             if slot.sequence is not None:
-                self._finish(slot.sequence, FinishReason.CANCELLED, "server shutting down")
+                self._finish(slot.sequence, reason, why)
         outbox, self._outbox = self._outbox, {}
         for handle, events in outbox.items():
             handle._deliver(events)

@@ -75,6 +75,20 @@ class ServerState:
     ready: threading.Event = field(default_factory=threading.Event)
     shutting_down: bool = False
     live: set[Generation] = field(default_factory=set)  # in-flight generations (for graceful shutdown)
+    # Called once if the engine loop dies (`slotserve serve` makes the process exit non-zero, so that a
+    # supervisor restarts it); None: the app stays up and answers 503 with the reason.
+    on_engine_failure: Callable[[str], None] | None = None
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the engine loop died, once it has."""
+        return self.runtime.scheduler.failure if self.runtime is not None else None
+
+    def engine_died(self, reason: str) -> None:
+        log.error("the engine loop died; refusing every request from now on",
+                  extra={"event": {"reason": reason, "in_flight": len(self.live)}})
+        if self.on_engine_failure is not None:
+            self.on_engine_failure(reason)
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new generations now; end the ones still running after ``grace_s`` (their streams get a
@@ -93,6 +107,9 @@ class ServerState:
         timer.start()
 
     def require_ready(self) -> ChatService:
+        if self.engine_failure is not None:
+            raise APIError(503, f"the engine loop died ({self.engine_failure}); the server must be restarted",
+                           code="engine_failed")
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if not self.ready.is_set() or self.service is None:
@@ -273,6 +290,7 @@ def _load(state: ServerState) -> None:
     begin = time.perf_counter()
     try:
         runtime = state.factory(progress)
+        runtime.scheduler.on_failure = state.engine_died
         runtime.start()
         limits = state.config.limits
         state.service = ChatService(
@@ -301,12 +319,17 @@ def _load(state: ServerState) -> None:
 
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health", tags=["operations"])
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(request: Request) -> JSONResponse:
+        failure = _state(request).engine_failure
+        if failure is not None:
+            return _engine_failed(failure)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready", tags=["operations"])
     async def ready(request: Request) -> JSONResponse:
         state = _state(request)
+        if state.engine_failure is not None:
+            return _engine_failed(state.engine_failure)
         if state.ready.is_set() and not state.shutting_down:
             return JSONResponse({"status": "ready", "model": state.runtime.model_name})
         status = "shutting_down" if state.shutting_down else ("failed" if state.load_error else "loading")
@@ -558,7 +581,17 @@ async def _collect(request: Request, gen: Generation, tracker: _Tracker) -> tupl
     raise RuntimeError("the event stream ended without a finish event")
 
 
-def _generation_failed(fin: FinishEvent) -> APIError:
+def _engine_failed(reason: str) -> JSONResponse:
+    body = error_body(f"the engine loop died ({reason}); the server must be restarted", "service_unavailable",
+                      None, "engine_failed")
+    body["status"] = "failed"
+    return JSONResponse(body, status_code=503)
+
+
+def _generation_failed(fin: FinishEvent, state: ServerState) -> APIError:
+    if state.engine_failure is not None:
+        return APIError(503, f"generation ended: the engine loop died ({state.engine_failure})",
+                        code="engine_failed")
     if fin.reason is FinishReason.CANCELLED:
         return APIError(503, f"generation ended early: {fin.error or 'the server is shutting down'}",
                         code="shutting_down")
@@ -611,7 +644,7 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
                                  media_type=MEDIA_TYPE, headers=SSE_HEADERS)
     events, text, fin = await _collect(request, gen, tracker)
     if fin.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-        error = _generation_failed(fin)
+        error = _generation_failed(fin, state)
         tracker.done(fin, error.status)
         raise error
     outcome = service.finish(gen, text, fin.reason)
@@ -664,7 +697,7 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
             parts.append(ev.text)
             tail = filt.push(ev.text)
             if ev.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-                error = _generation_failed(ev)
+                error = _generation_failed(ev, state)
                 status = error.status
                 yield sse(error.body())
                 return
@@ -741,7 +774,7 @@ async def _complete(request: Request, agent: AgentSpec, body: CompletionRequest)
                                  media_type=MEDIA_TYPE, headers=SSE_HEADERS)
     events, text, fin = await _collect(request, gen, tracker)
     if fin.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-        error = _generation_failed(fin)
+        error = _generation_failed(fin, state)
         tracker.done(fin, error.status)
         raise error
     finish = str(fin.reason)
@@ -773,7 +806,7 @@ async def _completion_stream(state: ServerState, gen: Generation, tracker: _Trac
                 continue
             fin = ev
             if ev.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-                error = _generation_failed(ev)
+                error = _generation_failed(ev, state)
                 status = error.status
                 yield sse(error.body())
                 return

@@ -1,8 +1,9 @@
 """API keys: an admin key for /admin (it may also call every agent), per-agent keys for agent endpoints.
 
 Keys come as ``Authorization: Bearer <key>`` (what the OpenAI clients send) or ``X-Api-Key``. With auth
-off (the default) everything is open except agents that declare their own ``api_keys``: those always
-require one of them. Missing key: 401; a key that is not valid for what it asks: 403.
+off (the default) everything is open except agents that declare their own ``api_keys``, which always
+require one of them, and /admin once any admin key is configured. Missing key: 401; a key that is not
+valid for what it asks: 403.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Auth:
         return matched
 
     def require_admin(self, request: Request) -> None:
-        if not self.enabled:
+        if not self.enabled and not self._admin:  # a configured admin key protects /admin, auth on or off
             return
         key = request_key(request)
         if key is None:

@@ -21,7 +21,7 @@ from agents.registry import AgentConflictError, ReadOnlyAgentError, UnknownAgent
 from agents.service import InvalidRequestError
 from agents.store import InvalidSessionIdError, SessionLimitError, StoreError
 from scheduler.grammar_spec import GrammarBusyError, UnsupportedConstraintError
-from scheduler.request import ContextLengthError, QueueFullError
+from scheduler.request import ContextLengthError, EngineFailedError, QueueFullError
 
 log = logging.getLogger("slotserve.server")
 
@@ -139,6 +139,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(AgentConflictError, handler(409, "agent_exists"))
     app.add_exception_handler(ReadOnlyAgentError, handler(403, "agent_read_only"))
     app.add_exception_handler(QueueFullError, handler(429, "queue_full"))
+    app.add_exception_handler(EngineFailedError, handler(503, "engine_failed"))
     app.add_exception_handler(SessionLimitError, handler(429, "session_limit"))
     app.add_exception_handler(GrammarBusyError, handler(429, "grammar_busy"))
     app.add_exception_handler(ContextLengthError, handler(400, "context_length_exceeded"))

@@ -16,6 +16,14 @@ def config_overrides(args: argparse.Namespace) -> dict[str, object]:
     return {key: value for key, value in flags.items() if value is not None and value != ""}
 
 
+def exposure_warning(host: str, auth_enabled: bool) -> str | None:
+    """What to tell the operator who serves beyond this machine without API keys."""
+    if auth_enabled or host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return None
+    return (f"listening on {host} with auth disabled: anyone who can reach this address can use every agent, "
+            "read and continue every session, and (without admin_keys) change agents; set auth.enabled: true")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -29,6 +37,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     srv = config.server
     configure_logging("debug" if args.verbose else srv.log_level, srv.log_json)
+    warning = exposure_warning(srv.host, config.auth.enabled)
+    if warning:
+        print(f"slotserve: WARNING: {warning}", file=sys.stderr, flush=True)
     app = create_app(config)
     print(f"slotserve: listening on http://{srv.host}:{srv.port} (model loads in the background; "
           f"GET /ready says when it is warm)", file=sys.stderr, flush=True)
@@ -43,5 +54,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     server = Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning", access_log=False,
                                    timeout_graceful_shutdown=srv.graceful_shutdown_s + 5, lifespan="on"))
+    died: list[str] = []
+
+    def exit_on_engine_failure(reason: str) -> None:
+        # A dead engine loop cannot recover in this process: stop serving and exit non-zero, so that a
+        # supervisor (systemd, Kubernetes, a router's health checks) replaces the replica.
+        died.append(reason)
+        server.should_exit = True
+
+    state.on_engine_failure = exit_on_engine_failure
     server.run()
+    if died:
+        print(f"slotserve: exiting: the engine loop died ({died[0]})", file=sys.stderr, flush=True)
+        return 3
     return 0

@@ -75,3 +75,26 @@ def test_sessions_are_isolated(server):
     assert httpx.delete(f"{server.url}/agents/alpha/v1/sessions/s1", headers=bearer("key-b")).status_code == 403
     assert httpx.get(f"{server.url}/agents/alpha/v1/sessions", headers=bearer("key-b")).status_code == 403
     assert httpx.get(f"{server.url}/agents/alpha/v1/sessions/s1").status_code == 401
+
+
+def test_a_configured_admin_key_protects_admin_even_with_auth_off():
+    config = server_config(auth__enabled=False, auth__admin_keys=[ADMIN])
+    with LiveServer(create_app(config, runtime=tiny_runtime())) as srv:
+        url = f"{srv.url}/admin/agents"
+        assert httpx.get(url).status_code == 401
+        assert httpx.post(url, json={"name": "evil"}).status_code == 401
+        assert httpx.get(url, headers=bearer("wrong")).status_code == 403
+        assert httpx.get(url, headers=bearer(ADMIN)).status_code == 200
+        # Agent endpoints stay open with auth off.
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": "assistant", "messages": USER,
+                                                                "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+
+
+def test_serving_beyond_loopback_without_auth_warns():
+    from server.run import exposure_warning
+
+    assert exposure_warning("127.0.0.1", False) is None and exposure_warning("::1", False) is None
+    assert exposure_warning("0.0.0.0", True) is None
+    assert "auth disabled" in exposure_warning("0.0.0.0", False)
+    assert "auth.enabled" in exposure_warning("10.1.2.3", False)

