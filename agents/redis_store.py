@@ -16,10 +16,16 @@ a turn, and the limit check cannot race a concurrent create. Times come from Red
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from agents.spec import AgentSpec
 from agents.store import (
@@ -28,6 +34,7 @@ from agents.store import (
     SessionInfo,
     SessionLimitError,
     Store,
+    StoreUnavailableError,
     check_session_key,
     encode_messages,
     load_agent,
@@ -98,6 +105,23 @@ return #sids
 """
 
 
+T = TypeVar("T")
+
+
+def _guarded(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Bound a store call by the store's timeout, and report a Redis that is down, slow or refusing as
+    `StoreUnavailableError` (without its address: error bodies reach clients)."""
+
+    @functools.wraps(method)
+    async def call(self: RedisStore, *args: Any, **kwargs: Any) -> T:
+        try:
+            return await asyncio.wait_for(method(self, *args, **kwargs), self.timeout_s)
+        except (RedisError, OSError, TimeoutError) as e:
+            raise StoreUnavailableError(f"the session store is unavailable ({type(e).__name__})") from None
+
+    return call
+
+
 def _seconds(ms: Any) -> float | None:
     return None if ms is None else int(ms) / 1000.0
 
@@ -108,7 +132,9 @@ def _session(agent: str, sid: str, created: Any, updated: Any, expires: Any, raw
 
 
 class RedisStore(Store):
-    """`Store` on Redis. ``url`` as for ``redis.asyncio.from_url`` (e.g. "redis://127.0.0.1:6379/0")."""
+    """`Store` on Redis. ``url`` as for ``redis.asyncio.from_url`` (e.g. "redis://127.0.0.1:6379/0").
+    ``timeout_s`` bounds every call (connect, each reply, and the whole operation); one retry on a dropped
+    connection."""
 
     def __init__(
         self,
@@ -117,9 +143,12 @@ class RedisStore(Store):
         prefix: str = "slotserve:",
         session_ttl: float | None = None,
         max_sessions_per_agent: int | None = None,
+        timeout_s: float = 2.0,
     ) -> None:
         super().__init__(session_ttl=session_ttl, max_sessions_per_agent=max_sessions_per_agent)
-        self._redis = redis.from_url(url, decode_responses=True)
+        self.timeout_s = timeout_s
+        self._redis = redis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s,
+                                     socket_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
         self._prefix = prefix
         self._append = self._redis.register_script(_APPEND)
         self._update_agent = self._redis.register_script(_UPDATE_AGENT)
@@ -144,6 +173,7 @@ class RedisStore(Store):
 
     # ---- agents ---------------------------------------------------------------------------------
 
+    @_guarded
     async def put_agent(self, spec: AgentSpec, mode: PutMode = "upsert") -> bool:
         data = spec.to_json()
         if mode == "create":
@@ -153,22 +183,26 @@ class RedisStore(Store):
         await self._redis.hset(self._agents_key, spec.name, data)
         return True
 
+    @_guarded
     async def get_agent(self, name: str) -> AgentSpec | None:
         raw = await self._redis.hget(self._agents_key, name)
         return None if raw is None else load_agent(raw)
 
+    @_guarded
     async def delete_agent(self, name: str) -> bool:
         removed = await self._redis.hdel(self._agents_key, name)
         if AgentSpec.is_valid_name(name):
             await self._purge_agent(keys=[self._index_key(name)], args=[self._session_prefix(name)])
         return bool(removed)
 
+    @_guarded
     async def list_agents(self) -> list[AgentSpec]:
         raws = await self._redis.hgetall(self._agents_key)
         return [load_agent(raws[n]) for n in sorted(raws)]
 
     # ---- sessions -------------------------------------------------------------------------------
 
+    @_guarded
     async def get_session(self, agent: str, sid: str) -> Session | None:
         check_session_key(agent, sid)
         msgs_key, meta_key, _ = self._session_keys(agent, sid)
@@ -180,6 +214,7 @@ class RedisStore(Store):
             return None
         return _session(agent, sid, created, updated, expires, raw)
 
+    @_guarded
     async def append_turn(
         self,
         agent: str,
@@ -199,10 +234,12 @@ class RedisStore(Store):
         _, created, updated, expires, raw = reply
         return _session(agent, sid, created, updated, expires, raw)
 
+    @_guarded
     async def delete_session(self, agent: str, sid: str) -> bool:
         check_session_key(agent, sid)
         return bool(await self._delete_session(keys=self._session_keys(agent, sid), args=[sid]))
 
+    @_guarded
     async def list_sessions(self, agent: str) -> list[SessionInfo]:
         if not AgentSpec.is_valid_name(agent):
             raise ValueError(f"invalid agent name {agent!r}")
@@ -224,6 +261,10 @@ class RedisStore(Store):
             if created is not None:  # expired or deleted between the two reads
                 infos.append(SessionInfo(agent, sid, _seconds(created), _seconds(updated), _seconds(expires), count))
         return sorted(infos, key=lambda i: (-i.updated, i.id))
+
+    @_guarded
+    async def ping(self) -> None:
+        await self._redis.ping()
 
     async def close(self) -> None:
         await self._redis.aclose()

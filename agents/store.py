@@ -40,6 +40,7 @@ __all__ = [
     "SessionLimitError",
     "Store",
     "StoreError",
+    "StoreUnavailableError",
     "open_store",
 ]
 
@@ -52,6 +53,11 @@ PutMode = Literal["create", "update", "upsert"]
 
 class StoreError(RuntimeError):
     """The store holds something unreadable (e.g. an agent JSON that no longer validates)."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store did not answer in time or refused the connection (the server answers 503). The message
+    never carries the store's address."""
 
 
 class InvalidSessionIdError(ValueError):
@@ -182,6 +188,9 @@ class Store(ABC):
     @abstractmethod
     async def list_sessions(self, agent: str) -> list[SessionInfo]:
         """The agent's live sessions, most recently updated first."""
+
+    async def ping(self) -> None:  # noqa: B027 - optional hook: a store in process memory always answers
+        """Raise `StoreUnavailableError` unless the store answers (for /ready)."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release connections."""

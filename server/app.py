@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agents.registry import AgentRegistry
 from agents.service import ChatParams, ChatService, Generation, Runtime, ToolCallFilter, build_runtime
 from agents.spec import AgentSpec
-from agents.store import SessionLimitError, Store, open_store
+from agents.store import SessionLimitError, Store, StoreUnavailableError, open_store
 from scheduler.grammar_spec import GrammarBusyError
 from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
 from server.auth import Auth
@@ -276,7 +276,7 @@ def _open_store(config: ServerConfig) -> Store:
     if s.url.startswith(("redis://", "rediss://", "unix://")):
         from agents.redis_store import RedisStore
 
-        return RedisStore(s.url, prefix=s.prefix, **options)
+        return RedisStore(s.url, prefix=s.prefix, timeout_s=s.timeout_s, **options)
     return open_store(s.url, **options)
 
 
@@ -330,8 +330,14 @@ def _add_routes(app: FastAPI) -> None:
         state = _state(request)
         if state.engine_failure is not None:
             return _engine_failed(state.engine_failure)
+        try:
+            await state.store.ping()
+        except StoreUnavailableError as e:
+            body = error_body(f"not ready: {e}", "service_unavailable", None, "store_unavailable")
+            body.update(status="store_unavailable", store="unavailable")
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         if state.ready.is_set() and not state.shutting_down:
-            return JSONResponse({"status": "ready", "model": state.runtime.model_name})
+            return JSONResponse({"status": "ready", "model": state.runtime.model_name, "store": "ok"})
         status = "shutting_down" if state.shutting_down else ("failed" if state.load_error else "loading")
         body = error_body(f"not ready: {state.load_error or state.status}", "service_unavailable", None, status)
         body["status"] = status

@@ -66,6 +66,7 @@ class LimitsSection(_Section):
 class StoreSection(_Section):
     url: str = "memory://"  # memory:// or redis://host:port/db
     prefix: str = "slotserve:"  # Redis key prefix
+    timeout_s: float = Field(2.0, gt=0)  # every Redis call; beyond it requests get 503 store_unavailable
     session_ttl_s: float = Field(86_400, ge=0)  # 0: sessions never expire
     max_sessions_per_agent: int = Field(0, ge=0)  # 0: no limit
 

@@ -19,7 +19,7 @@ from agents.chat_template import PromptTooLongError
 from agents.messages import MessageError, TemplateError
 from agents.registry import AgentConflictError, ReadOnlyAgentError, UnknownAgentError
 from agents.service import InvalidRequestError
-from agents.store import InvalidSessionIdError, SessionLimitError, StoreError
+from agents.store import InvalidSessionIdError, SessionLimitError, StoreError, StoreUnavailableError
 from scheduler.grammar_spec import GrammarBusyError, UnsupportedConstraintError
 from scheduler.request import ContextLengthError, EngineFailedError, QueueFullError
 
@@ -96,7 +96,7 @@ RETRY_AFTER_S = 2  # what a 429 tells the client to wait before retrying
 
 def install_error_handlers(app: FastAPI) -> None:
     def handler(status: int, code: str | None = None, param_of=None):
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
 
         async def handle(request: Request, exc: Exception) -> JSONResponse:
             param = param_of(exc) if param_of else None
@@ -147,6 +147,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidSessionIdError, handler(400, "invalid_session_id"))
     app.add_exception_handler(MessageError, handler(400, "invalid_message", lambda e: "messages"))
     app.add_exception_handler(TemplateError, handler(400, "invalid_message", lambda e: "messages"))
+    app.add_exception_handler(StoreUnavailableError, handler(503, "store_unavailable"))
     app.add_exception_handler(StoreError, handler(500, "store_error"))
 
     @app.exception_handler(ValueError)

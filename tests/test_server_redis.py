@@ -8,7 +8,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from test_server_helpers import LiveServer, RedisServer, server_config, tiny_runtime
+from test_server_helpers import LiveServer, RedisServer, server_config, tiny_runtime, wait_until
 
 from server.app import create_app
 
@@ -66,3 +66,40 @@ def test_two_servers_share_agents_and_sessions(redis_url):
         assert httpx.delete(f"{b.url}/admin/agents/shared").status_code == 200
         assert httpx.get(f"{b.url}/admin/agents/shared").status_code == 404
         assert httpx.get(f"{a.url}/agents/shared/v1/sessions/s").status_code == 404
+
+
+def test_a_stalled_redis_is_a_prompt_503_that_names_no_address(tmp_path):
+    """redis-server stopped with SIGSTOP (it accepts nothing and answers nothing): a session request fails
+    within the store's timeout with 503 store_unavailable, /ready says the store is unavailable, no body
+    carries the Redis address; after SIGCONT everything answers again."""
+    import os
+    import signal
+    import time
+
+    from test_server_helpers import RedisServer
+
+    redis_server = RedisServer(tmp_path)
+    try:
+        config = server_config(store__url=redis_server.url, store__prefix="stall:", store__timeout_s=0.5)
+        with LiveServer(create_app(config, runtime=tiny_runtime())) as srv:
+            body = {"model": "assistant", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                    "session_id": "stalled"}
+            assert httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            try:
+                begin = time.perf_counter()
+                r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+                assert time.perf_counter() - begin < 5
+                assert str(redis_server.port) not in r.text and "127.0.0.1" not in r.text
+                assert r.headers.get("retry-after")
+                ready = httpx.get(f"{srv.url}/ready", timeout=30)
+                assert ready.status_code == 503 and ready.json()["store"] == "unavailable"
+                listing = httpx.get(f"{srv.url}/agents/assistant/v1/sessions", timeout=30)
+                assert listing.status_code == 503 and str(redis_server.port) not in listing.text
+            finally:
+                os.kill(redis_server.proc.pid, signal.SIGCONT)
+            wait_until(lambda: httpx.get(f"{srv.url}/ready", timeout=30).status_code == 200, timeout=30)
+            assert httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    finally:
+        redis_server.stop()
