@@ -248,6 +248,24 @@ def test_session_sends_only_new_messages(server, runtime):
     assert httpx.delete(f"{server.url}/agents/assistant/v1/sessions/{sid}").status_code == 404
 
 
+def test_a_resent_history_is_matched_not_duplicated_and_a_contradiction_is_409(server):
+    c = openai.OpenAI(base_url=f"{server.url}/agents/assistant/v1", api_key="x", max_retries=0)
+    sid = "sess-resend"
+    turn = [{"role": "user", "content": "Plan a trip."}]
+    reply = c.chat.completions.create(model="assistant", messages=turn, max_tokens=3,
+                                      extra_headers={"X-Session-Id": sid}).choices[0].message.content
+    # What clients do: send the history back with the reply re-spaced, plus the new message.
+    resent = [*turn, {"role": "assistant", "content": f"  {reply.strip()}\n"}, {"role": "user", "content": "More."}]
+    c.chat.completions.create(model="assistant", messages=resent, max_tokens=3, extra_headers={"X-Session-Id": sid})
+    stored = httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant", "user", "assistant"]
+    changed = [*turn, {"role": "assistant", "content": "Something I never said."}, {"role": "user", "content": "?"}]
+    body = _error(post(server, "/agents/assistant/v1/chat/completions", {"messages": changed, "max_tokens": 1},
+                       headers={"X-Session-Id": sid}), 409)
+    assert body["param"] == "messages[1]" and body["code"] == "session_conflict"
+    assert len(httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").json()["messages"]) == 4
+
+
 def test_streamed_turn_is_committed_before_done(server):
     sid = "sess-stream"
     with httpx.stream("POST", f"{server.url}/agents/assistant/v1/chat/completions", timeout=60,
