@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -122,6 +123,20 @@ def _guarded(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]
     return call
 
 
+# KEYS: the session's turn key. ARGV: token, lease ms. Extends the claim if it is still this token's.
+_RENEW_TURN = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: the session's turn key. ARGV: token. Releases the claim if it is still this token's.
+_END_TURN = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
 def _seconds(ms: Any) -> float | None:
     return None if ms is None else int(ms) / 1000.0
 
@@ -154,6 +169,9 @@ class RedisStore(Store):
         self._update_agent = self._redis.register_script(_UPDATE_AGENT)
         self._delete_session = self._redis.register_script(_DELETE_SESSION)
         self._purge_agent = self._redis.register_script(_PURGE_AGENT)
+        self._renew_turn = self._redis.register_script(_RENEW_TURN)
+        self._cleanups: set[asyncio.Task] = set()  # claims to take back once Redis answers again
+        self._end_turn = self._redis.register_script(_END_TURN)
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -262,9 +280,49 @@ class RedisStore(Store):
                 infos.append(SessionInfo(agent, sid, _seconds(created), _seconds(updated), _seconds(expires), count))
         return sorted(infos, key=lambda i: (-i.updated, i.id))
 
+    def _turn_key(self, agent: str, sid: str) -> str:
+        return self._session_prefix(agent) + sid + ":turn"
+
+    async def begin_turn(self, agent: str, sid: str, lease_s: float) -> str | None:
+        check_session_key(agent, sid)
+        token = secrets.token_hex(16)
+        try:
+            return token if await self._claim(self._turn_key(agent, sid), token, lease_s) else None
+        except StoreUnavailableError:
+            # The SET may still reach Redis once it answers again: take the claim back then, rather than leave
+            # the session locked for a whole lease by a turn that never ran.
+            task = asyncio.create_task(self._release_when_back(agent, sid, token, lease_s))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+            raise
+
+    @_guarded
+    async def _claim(self, key: str, token: str, lease_s: float) -> bool:
+        return bool(await self._redis.set(key, token, nx=True, px=max(1, round(lease_s * 1000))))
+
+    async def _release_when_back(self, agent: str, sid: str, token: str, lease_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + lease_s
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                await self.end_turn(agent, sid, token)
+                return
+            except StoreUnavailableError:
+                await asyncio.sleep(min(1.0, self.timeout_s))
+
+    @_guarded
+    async def renew_turn(self, agent: str, sid: str, token: str, lease_s: float) -> bool:
+        return bool(await self._renew_turn(keys=[self._turn_key(agent, sid)],
+                                           args=[token, max(1, round(lease_s * 1000))]))
+
+    @_guarded
+    async def end_turn(self, agent: str, sid: str, token: str) -> None:
+        await self._end_turn(keys=[self._turn_key(agent, sid)], args=[token])
+
     @_guarded
     async def ping(self) -> None:
         await self._redis.ping()
 
     async def close(self) -> None:
+        for task in list(self._cleanups):
+            task.cancel()
         await self._redis.aclose()

@@ -22,7 +22,7 @@ from typing import Any
 from agents.chat_template import ChatTemplate, RenderedPrompt
 from agents.messages import normalize_messages
 from agents.spec import AgentSpec
-from agents.store import SessionLimitError, Store
+from agents.store import SessionLimitError, Store, StoreError
 from core.sampling import SamplingParams
 from scheduler.grammar_spec import TOOL_CALL_MARKER, ConstraintSpec, UnsupportedConstraintError, parse_tool_calls
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
@@ -251,6 +251,51 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
 
 
+TURN_LEASE_S = 30.0  # a session's turn claim lapses this long after its last renewal (a crashed server frees it)
+
+
+class SessionBusyError(RuntimeError):
+    """Another turn of this session is still running, here or on another server (HTTP 409)."""
+
+    def __init__(self, agent: str, sid: str) -> None:
+        super().__init__(f"session {sid!r} of agent {agent!r} has a turn running; send the next turn after it "
+                         "finishes")
+
+
+@dataclass(eq=False)
+class TurnClaim:
+    """One turn's exclusive hold on its session (Store.begin_turn), renewed while the turn runs."""
+
+    store: Store
+    agent: str
+    sid: str
+    token: str
+    renewal: asyncio.Task | None = None
+    handle: RequestHandle | None = None  # the turn's generation, once submitted
+
+    async def keep(self) -> None:
+        """Renew until released; a generation that finished a whole lease ago without a commit (its response
+        was never read) lets the claim lapse rather than hold the session."""
+        finished_for = 0.0
+        while True:
+            await asyncio.sleep(TURN_LEASE_S / 3)
+            if self.handle is not None and self.handle.finished is not None:
+                finished_for += TURN_LEASE_S / 3
+                if finished_for >= TURN_LEASE_S:
+                    return
+            try:
+                if not await self.store.renew_turn(self.agent, self.sid, self.token, TURN_LEASE_S):
+                    log.warning("a turn's session claim lapsed", extra={"event": {"session": self.sid}})
+                    return
+            except StoreError as e:  # the store is down: the claim lapses on its own, the turn goes on
+                log.warning("could not renew a session claim: %s", e)
+
+    async def release(self) -> None:
+        if self.renewal is not None:
+            self.renewal.cancel()
+        await self.store.end_turn(self.agent, self.sid, self.token)
+
+
 @dataclass(eq=False)  # identity semantics: the server keeps in-flight generations in a set
 class Generation:
     """One submitted request: its handle plus what is needed to finish it (tool calls, session commit)."""
@@ -262,6 +307,7 @@ class Generation:
     session_id: str | None
     new_messages: list[dict[str, Any]]  # what this turn adds to the session, before the reply
     created: int = field(default_factory=lambda: int(time.time()))
+    claim: TurnClaim | None = None  # the session's turn claim, released by commit or release
 
     @property
     def prompt_tokens(self) -> int:
@@ -492,7 +538,36 @@ class ChatService:
     # ---- the request ---------------------------------------------------------------------------
 
     async def submit(self, agent: AgentSpec, p: ChatParams) -> Generation:
-        """Validate, render, compile the constraint and submit; raises before any token is generated."""
+        """Validate, render, compile the constraint and submit; raises before any token is generated. A session
+        turn first claims its session (one turn at a time per session, across servers sharing the store);
+        the claim is released by `commit`, or by `release` if the turn ends without one."""
+        claim = await self._claim(agent, p.session_id) if p.session_id is not None else None
+        try:
+            gen = await self._submit(agent, p)
+        except BaseException:
+            if claim is not None:
+                await claim.release()
+            raise
+        if claim is not None:
+            claim.handle = gen.handle
+        gen.claim = claim
+        return gen
+
+    async def _claim(self, agent: AgentSpec, sid: str) -> TurnClaim:
+        token = await self.store.begin_turn(agent.name, sid, TURN_LEASE_S)
+        if token is None:
+            raise SessionBusyError(agent.name, sid)
+        claim = TurnClaim(self.store, agent.name, sid, token)
+        claim.renewal = asyncio.create_task(claim.keep())
+        return claim
+
+    async def release(self, gen: Generation) -> None:
+        """End the turn's claim on its session without committing (failed, refused or cancelled turns)."""
+        claim, gen.claim = gen.claim, None
+        if claim is not None:
+            await claim.release()
+
+    async def _submit(self, agent: AgentSpec, p: ChatParams) -> Generation:
         spec, tools = self.constraint_spec(agent, p)
         if p.messages is not None:
             conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages)
@@ -561,11 +636,15 @@ class ChatService:
         return Outcome(text, None, finish)
 
     async def commit(self, gen: Generation, outcome: Outcome) -> None:
-        """Store this turn (new messages + the reply) in the session, if the request has one."""
+        """Store this turn (new messages + the reply) in the session, if the request has one, then release the
+        session for its next turn."""
         if gen.session_id is None:
             return
         reply = outcome.message()
         if reply["content"] is None:
             reply["content"] = ""
-        await self.store.append_turn(gen.agent.name, gen.session_id, [*gen.new_messages, reply],
-                                     ttl=self.session_ttl)
+        try:
+            await self.store.append_turn(gen.agent.name, gen.session_id, [*gen.new_messages, reply],
+                                         ttl=self.session_ttl)
+        finally:
+            await self.release(gen)

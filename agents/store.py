@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -189,6 +190,19 @@ class Store(ABC):
     async def list_sessions(self, agent: str) -> list[SessionInfo]:
         """The agent's live sessions, most recently updated first."""
 
+    @abstractmethod
+    async def begin_turn(self, agent: str, sid: str, lease_s: float) -> str | None:
+        """Claim the session for one turn: a token, or None while another turn holds it. The claim lapses
+        after ``lease_s`` unless renewed (a crashed server does not lock a session for good)."""
+
+    @abstractmethod
+    async def renew_turn(self, agent: str, sid: str, token: str, lease_s: float) -> bool:
+        """Extend a claim; False if it lapsed (or was never this token's)."""
+
+    @abstractmethod
+    async def end_turn(self, agent: str, sid: str, token: str) -> None:
+        """Release a claim, if it is still this token's."""
+
     async def ping(self) -> None:  # noqa: B027 - optional hook: a store in process memory always answers
         """Raise `StoreUnavailableError` unless the store answers (for /ready)."""
 
@@ -219,6 +233,7 @@ class MemoryStore(Store):
         super().__init__(session_ttl=session_ttl, max_sessions_per_agent=max_sessions_per_agent)
         self._agents: dict[str, str] = {}
         self._sessions: dict[str, dict[str, _MemSession]] = {}
+        self._turns: dict[tuple[str, str], tuple[str, float]] = {}  # (agent, sid) -> (token, lapses at)
         # No awaits inside the operations, so they are atomic within one event loop; the lock covers
         # callers on other threads.
         self._lock = threading.Lock()
@@ -305,6 +320,31 @@ class MemoryStore(Store):
                 for sid, e in sessions.items()
             ]
         return sorted(infos, key=lambda i: (-i.updated, i.id))
+
+
+    async def begin_turn(self, agent: str, sid: str, lease_s: float) -> str | None:
+        check_session_key(agent, sid)
+        with self._lock:
+            now = time.monotonic()
+            held = self._turns.get((agent, sid))
+            if held is not None and held[1] > now:
+                return None
+            token = secrets.token_hex(16)
+            self._turns[(agent, sid)] = (token, now + lease_s)
+            return token
+
+    async def renew_turn(self, agent: str, sid: str, token: str, lease_s: float) -> bool:
+        with self._lock:
+            held = self._turns.get((agent, sid))
+            if held is None or held[0] != token or held[1] <= time.monotonic():
+                return False
+            self._turns[(agent, sid)] = (token, time.monotonic() + lease_s)
+            return True
+
+    async def end_turn(self, agent: str, sid: str, token: str) -> None:
+        with self._lock:
+            if self._turns.get((agent, sid), ("",))[0] == token:
+                del self._turns[(agent, sid)]
 
 
 def _snapshot(agent: str, sid: str, entry: _MemSession) -> Session:

@@ -75,6 +75,7 @@ class ServerState:
     ready: threading.Event = field(default_factory=threading.Event)
     shutting_down: bool = False
     live: set[Generation] = field(default_factory=set)  # in-flight generations (for graceful shutdown)
+    background: set[asyncio.Task] = field(default_factory=set)  # commits that outlive their request
     # Called once if the engine loop dies (`slotserve serve` makes the process exit non-zero, so that a
     # supervisor restarts it); None: the app stays up and answers 503 with the reason.
     on_engine_failure: Callable[[str], None] | None = None
@@ -587,6 +588,14 @@ async def _collect(request: Request, gen: Generation, tracker: _Tracker) -> tupl
     raise RuntimeError("the event stream ended without a finish event")
 
 
+def _in_background(state: ServerState, work: Any) -> asyncio.Task:
+    """Run ``work`` (a coroutine) to its end even if the request that started it is cancelled."""
+    task = asyncio.ensure_future(work)
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
+    return task
+
+
 def _engine_failed(reason: str) -> JSONResponse:
     body = error_body(f"the engine loop died ({reason}); the server must be restarted", "service_unavailable",
                       None, "engine_failed")
@@ -648,13 +657,18 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_chat_stream(state, gen, tracker, cid, include_usage, bool(body.logprobs)),
                                  media_type=MEDIA_TYPE, headers=SSE_HEADERS)
-    events, text, fin = await _collect(request, gen, tracker)
-    if fin.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-        error = _generation_failed(fin, state)
-        tracker.done(fin, error.status)
-        raise error
-    outcome = service.finish(gen, text, fin.reason)
-    await service.commit(gen, outcome)
+    try:
+        events, text, fin = await _collect(request, gen, tracker)
+        if fin.reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            error = _generation_failed(fin, state)
+            tracker.done(fin, error.status)
+            raise error
+        outcome = service.finish(gen, text, fin.reason)
+        # Generation finished: the turn is committed even if the client is gone by now.
+        await asyncio.shield(_in_background(state, service.commit(gen, outcome)))
+    finally:
+        if gen.claim is not None:  # the turn ended without a commit: free the session
+            _in_background(state, service.release(gen))
     tracker.done(fin, 200, outcome.finish_reason)
     choice: dict[str, Any] = {"index": 0, "message": {**outcome.message(), "refusal": None},
                               "logprobs": None, "finish_reason": outcome.finish_reason}
@@ -688,6 +702,7 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
     parts: list[str] = []
     status = 200
     fin: FinishEvent | None = None
+    commit: asyncio.Task | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for ev in gen.handle:
@@ -715,9 +730,12 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
                 rest = tail if filt.released else filt.held
                 if rest:
                     yield chunk({"content": rest})
+            # Generation finished: the turn is committed whether or not the client stays for the finish chunk,
+            # and before [DONE], so a client that saw DONE sees the turn.
+            commit = _in_background(state, service.commit(gen, outcome))
             yield chunk({}, outcome.finish_reason)
             try:
-                await service.commit(gen, outcome)  # before [DONE]: a client that saw DONE sees the turn
+                await asyncio.shield(commit)
             except Exception as e:  # noqa: BLE001 - reported in the stream; the response has started
                 status = 429 if isinstance(e, SessionLimitError) else 500
                 yield sse(error_body(f"the session turn was not stored: {e}", "server_error", "session_id",
@@ -735,6 +753,8 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
             tracker.done(None, 499)
         elif status != 200:
             tracker.done(fin, status)
+        if gen.claim is not None and commit is None:  # the turn ended without a commit: free the session
+            _in_background(state, service.release(gen))
 
 
 def _completion_params(body: CompletionRequest) -> ChatParams:

@@ -480,3 +480,30 @@ def test_redis_stores_json_and_key_ttls(redis_factory, redis_url):
             await store.get_agent("broken")
 
     run(redis_factory, read_broken)
+
+
+def test_a_session_turn_is_claimed_by_one_caller_at_a_time(make_store):
+    """One claim per session across every store object of one deployment (two Redis clients stand in for two
+    servers); a claim is released only by its own token, renewed while held, and lapses when not renewed."""
+
+    async def body(store: Store) -> None:
+        other = make_store() if isinstance(store, RedisStore) else store  # one process holds one memory store
+        try:
+            token = await store.begin_turn("a", "s1", lease_s=5)
+            assert token and await other.begin_turn("a", "s1", lease_s=5) is None
+            assert await other.begin_turn("a", "s2", lease_s=5)  # other sessions are free
+            await other.end_turn("a", "s1", "not-the-token")
+            assert await other.begin_turn("a", "s1", lease_s=5) is None
+            assert await store.renew_turn("a", "s1", token, lease_s=5)
+            assert not await other.renew_turn("a", "s1", "not-the-token", lease_s=5)
+            await store.end_turn("a", "s1", token)
+            again = await other.begin_turn("a", "s1", lease_s=0.2)
+            assert again
+            await asyncio.sleep(0.4)  # never renewed: a crashed holder frees the session on its own
+            assert not await other.renew_turn("a", "s1", again, lease_s=5)
+            assert await store.begin_turn("a", "s1", lease_s=5)
+        finally:
+            if other is not store:
+                await other.close()
+
+    run(make_store, body)

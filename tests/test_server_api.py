@@ -450,6 +450,44 @@ def test_non_streaming_disconnect_cancels(server, runtime, slow_decode):
     wait_until(lambda: sched.running == 0, timeout=10)
 
 
+def test_two_turns_at_once_on_one_session_never_interleave(server, runtime, slow_decode):
+    """The second turn sent while the first runs is a 409 session_busy; the session then holds exactly the
+    first turn, and the next turn after it goes through."""
+    sid = "sess-race"
+    body = {"messages": [{"role": "user", "content": "first"}], "max_tokens": 20, "ignore_eos": True}
+    first = {}
+    runner = threading.Thread(target=lambda: first.setdefault("r", post(server, "/agents/assistant/v1/chat/"
+                                                                         "completions", body,
+                                                                         headers={"X-Session-Id": sid})))
+    runner.start()
+    wait_until(lambda: runtime.scheduler.running > 0, timeout=30)  # the first turn holds its session
+    second = post(server, "/agents/assistant/v1/chat/completions",
+                  {"messages": [{"role": "user", "content": "second"}], "max_tokens": 1}, headers={"X-Session-Id": sid})
+    assert _error(second, 409)["code"] == "session_busy"
+    runner.join(60)
+    assert first["r"].status_code == 200
+    stored = httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").json()["messages"]
+    assert [m["content"] for m in stored if m["role"] == "user"] == ["first"]
+    third = post(server, "/agents/assistant/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "third"}], "max_tokens": 1}, headers={"X-Session-Id": sid})
+    assert third.status_code == 200
+
+
+def test_a_streamed_turn_is_committed_even_if_the_client_leaves_at_the_finish_chunk(server):
+    sid = "sess-leaves"
+    with httpx.stream("POST", f"{server.url}/agents/assistant/v1/chat/completions", timeout=60,
+                      json={"messages": USER, "max_tokens": 3, "stream": True, "session_id": sid}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"finish_reason":"' in line.replace(" ", ""):
+                break  # close the connection as soon as the finish chunk arrives
+    wait_until(lambda: httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").status_code == 200, timeout=10)
+    stored = httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    again = post(server, "/agents/assistant/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                     "max_tokens": 1}, headers={"X-Session-Id": sid})
+    assert again.status_code == 200  # the claim was released with the commit
+
+
 def test_metrics_expose_the_names(server, client, runtime):
     client.chat.completions.create(model="weather", messages=USER, max_tokens=2)
     text = httpx.get(f"{server.url}/metrics").text
