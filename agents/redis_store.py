@@ -48,7 +48,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: msgs, meta, index. ARGV: sid, ttl_ms (0 = none), limit (0 = none), message JSON...
+# KEYS: msgs, meta, index. ARGV: sid, ttl_ms (0 = none), limit (0 = none), owner ('' = none), message JSON...
 _APPEND = (
     _NOW_MS
     + """
@@ -60,9 +60,10 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
   if redis.call('ZSCORE', KEYS[3], ARGV[1]) then count = count - 1 end
   if limit > 0 and count >= limit then return {'LIMIT'} end
   redis.call('HSET', KEYS[2], 'created', now)
+  if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], 'owner', ARGV[4]) end
 end
 redis.call('HSET', KEYS[2], 'updated', now)
-for i = 4, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+for i = 5, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
 local score = '+inf'
 if ttl > 0 then
   score = now + ttl
@@ -75,8 +76,8 @@ else
   redis.call('PERSIST', KEYS[2])
 end
 redis.call('ZADD', KEYS[3], score, ARGV[1])
-local meta = redis.call('HMGET', KEYS[2], 'created', 'updated', 'expires')
-return {'OK', meta[1], meta[2], meta[3], redis.call('LRANGE', KEYS[1], 0, -1)}
+local meta = redis.call('HMGET', KEYS[2], 'created', 'updated', 'expires', 'owner')
+return {'OK', meta[1], meta[2], meta[3], meta[4], redis.call('LRANGE', KEYS[1], 0, -1)}
 """
 )
 
@@ -141,9 +142,10 @@ def _seconds(ms: Any) -> float | None:
     return None if ms is None else int(ms) / 1000.0
 
 
-def _session(agent: str, sid: str, created: Any, updated: Any, expires: Any, raw: list[str]) -> Session:
+def _session(agent: str, sid: str, created: Any, updated: Any, expires: Any, owner: str | None,
+             raw: list[str]) -> Session:
     return Session(agent, sid, [json.loads(m) for m in raw], int(created) / 1000.0, int(updated) / 1000.0,
-                   _seconds(expires))
+                   _seconds(expires), owner or None)
 
 
 class RedisStore(Store):
@@ -225,12 +227,12 @@ class RedisStore(Store):
         check_session_key(agent, sid)
         msgs_key, meta_key, _ = self._session_keys(agent, sid)
         async with self._redis.pipeline(transaction=True) as pipe:  # one consistent snapshot
-            pipe.hmget(meta_key, "created", "updated", "expires")
+            pipe.hmget(meta_key, "created", "updated", "expires", "owner")
             pipe.lrange(msgs_key, 0, -1)
-            (created, updated, expires), raw = await pipe.execute()
+            (created, updated, expires, owner), raw = await pipe.execute()
         if created is None:
             return None
-        return _session(agent, sid, created, updated, expires, raw)
+        return _session(agent, sid, created, updated, expires, owner, raw)
 
     @_guarded
     async def append_turn(
@@ -241,16 +243,18 @@ class RedisStore(Store):
         *,
         ttl: float | None = None,
         max_sessions: int | None = None,
+        owner: str | None = None,
     ) -> Session:
         check_session_key(agent, sid)
         encoded = encode_messages(new_messages)
         ttl, limit = self._ttl(ttl), self._limit(max_sessions)
         ttl_ms = max(1, round(ttl * 1000)) if ttl else 0
-        reply = await self._append(keys=self._session_keys(agent, sid), args=[sid, ttl_ms, limit or 0, *encoded])
+        reply = await self._append(keys=self._session_keys(agent, sid),
+                                   args=[sid, ttl_ms, limit or 0, owner or "", *encoded])
         if reply[0] == "LIMIT":
             raise SessionLimitError(agent, limit or 0)
-        _, created, updated, expires, raw = reply
-        return _session(agent, sid, created, updated, expires, raw)
+        _, created, updated, expires, stored_owner, raw = reply
+        return _session(agent, sid, created, updated, expires, stored_owner, raw)
 
     @_guarded
     async def delete_session(self, agent: str, sid: str) -> bool:
@@ -270,14 +274,15 @@ class RedisStore(Store):
         async with self._redis.pipeline(transaction=False) as pipe:
             for sid in sids:
                 msgs_key, meta_key, _ = self._session_keys(agent, sid)
-                pipe.hmget(meta_key, "created", "updated", "expires")
+                pipe.hmget(meta_key, "created", "updated", "expires", "owner")
                 pipe.llen(msgs_key)
             replies = await pipe.execute()
         infos = []
         for i, sid in enumerate(sids):
-            (created, updated, expires), count = replies[2 * i], replies[2 * i + 1]
+            (created, updated, expires, owner), count = replies[2 * i], replies[2 * i + 1]
             if created is not None:  # expired or deleted between the two reads
-                infos.append(SessionInfo(agent, sid, _seconds(created), _seconds(updated), _seconds(expires), count))
+                infos.append(SessionInfo(agent, sid, _seconds(created), _seconds(updated), _seconds(expires), count,
+                                         owner or None))
         return sorted(infos, key=lambda i: (-i.updated, i.id))
 
     def _turn_key(self, agent: str, sid: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 from agents.chat_template import ChatTemplate, RenderedPrompt
 from agents.messages import normalize_messages
 from agents.spec import AgentSpec
-from agents.store import SessionLimitError, Store, StoreError
+from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
 from core.sampling import SamplingParams
 from scheduler.grammar_spec import TOOL_CALL_MARKER, ConstraintSpec, UnsupportedConstraintError, parse_tool_calls
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
@@ -240,6 +240,7 @@ class ChatParams:
     session_id: str | None = None
     user: str | None = None
     cache_salt: str | None = None  # requests share cached KV only with the same salt (vLLM's API)
+    caller: SessionCaller | None = None  # who asks, for session ownership; None: sessions are shared
 
 
 class InvalidRequestError(ValueError):
@@ -249,6 +250,25 @@ class InvalidRequestError(ValueError):
         self.param = param
         self.code = code
         super().__init__(message)
+
+
+@dataclass(frozen=True)
+class SessionCaller:
+    """Who is asking, as far as sessions go: the fingerprint of their API key (never the key), and whether they
+    may see every session (an admin key)."""
+
+    owner: str | None
+    admin: bool = False
+
+    def may_see(self, session: Session | SessionInfo) -> bool:
+        return self.admin or session.owner == self.owner
+
+
+class SessionNotFoundError(LookupError):
+    """No such session for this caller: absent, or owned by another key (HTTP 404 either way)."""
+
+    def __init__(self, agent: str, sid: str) -> None:
+        super().__init__(f"no session {sid!r} for agent {agent!r}")
 
 
 TURN_LEASE_S = 30.0  # a session's turn claim lapses this long after its last renewal (a crashed server frees it)
@@ -308,6 +328,7 @@ class Generation:
     new_messages: list[dict[str, Any]]  # what this turn adds to the session, before the reply
     created: int = field(default_factory=lambda: int(time.time()))
     claim: TurnClaim | None = None  # the session's turn claim, released by commit or release
+    owner: str | None = None  # the key fingerprint a new session is created under
 
     @property
     def prompt_tokens(self) -> int:
@@ -521,13 +542,17 @@ class ChatService:
         described = tools if tools and choice != "none" else None
         return tool_spec or format_spec, described
 
-    async def session_messages(self, agent: AgentSpec, session_id: str | None,
-                               messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """(the full conversation to render, the new messages this turn adds to the session)."""
+    async def session_messages(self, agent: AgentSpec, session_id: str | None, messages: list[dict[str, Any]],
+                               caller: SessionCaller | None = None
+                               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(the full conversation to render, the new messages this turn adds to the session). A session owned
+        by another key is `SessionNotFoundError`, as if it did not exist."""
         incoming = normalize_messages(messages)
         if session_id is None:
             return incoming, incoming
         session = await self.store.get_session(agent.name, session_id)
+        if session is not None and caller is not None and not caller.may_see(session):
+            raise SessionNotFoundError(agent.name, session_id)
         history = session.messages if session is not None else []
         limit = self.store.max_sessions_per_agent
         if session is None and limit and len(await self.store.list_sessions(agent.name)) >= limit:
@@ -570,7 +595,7 @@ class ChatService:
     async def _submit(self, agent: AgentSpec, p: ChatParams) -> Generation:
         spec, tools = self.constraint_spec(agent, p)
         if p.messages is not None:
-            conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages)
+            conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages, p.caller)
             if not conversation:
                 raise InvalidRequestError("messages must not be empty", "messages")
             rendered = await asyncio.to_thread(self.render_chat, agent, conversation, tools)
@@ -606,7 +631,8 @@ class ChatService:
             constraint=constraint,
         )
         handle = self.runtime.scheduler.submit(request, loop=asyncio.get_running_loop())
-        return Generation(handle, agent, rendered, spec, p.session_id, new_messages)
+        return Generation(handle, agent, rendered, spec, p.session_id, new_messages,
+                          owner=p.caller.owner if p.caller is not None else None)
 
     def _render_completion(self, agent: AgentSpec, prompt: str | list[int] | None) -> RenderedPrompt:
         if prompt is None:
@@ -645,6 +671,6 @@ class ChatService:
             reply["content"] = ""
         try:
             await self.store.append_turn(gen.agent.name, gen.session_id, [*gen.new_messages, reply],
-                                         ttl=self.session_ttl)
+                                         ttl=self.session_ttl, owner=gen.owner)
         finally:
             await self.release(gen)

@@ -84,6 +84,7 @@ class SessionInfo:
     updated: float
     expires_at: float | None
     message_count: int
+    owner: str | None = None  # fingerprint of the API key that created it; None: created without auth
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,11 @@ class Session:
     created: float
     updated: float
     expires_at: float | None = None
+    owner: str | None = None  # fingerprint of the API key that created it; None: created without auth
 
     def info(self) -> SessionInfo:
-        return SessionInfo(self.agent, self.id, self.created, self.updated, self.expires_at, len(self.messages))
+        return SessionInfo(self.agent, self.id, self.created, self.updated, self.expires_at, len(self.messages),
+                           self.owner)
 
 
 def check_session_key(agent: str, sid: str) -> None:
@@ -180,8 +183,10 @@ class Store(ABC):
         *,
         ttl: float | None = None,
         max_sessions: int | None = None,
+        owner: str | None = None,
     ) -> Session:
-        """Atomically append ``new_messages`` (creating the session if missing) and return the result."""
+        """Atomically append ``new_messages`` (creating the session if missing, owned by ``owner``) and return
+        the result."""
 
     @abstractmethod
     async def delete_session(self, agent: str, sid: str) -> bool: ...
@@ -221,6 +226,7 @@ class _MemSession:
     created: float
     updated: float
     expires_at: float | None
+    owner: str | None = None
 
     def live(self, now: float) -> bool:
         return self.expires_at is None or self.expires_at > now
@@ -286,6 +292,7 @@ class MemoryStore(Store):
         *,
         ttl: float | None = None,
         max_sessions: int | None = None,
+        owner: str | None = None,
     ) -> Session:
         check_session_key(agent, sid)
         encoded = encode_messages(new_messages)
@@ -297,7 +304,7 @@ class MemoryStore(Store):
             if entry is None:
                 if limit is not None and len(sessions) >= limit:
                     raise SessionLimitError(agent, limit)
-                entry = _MemSession([], now, now, None)
+                entry = _MemSession([], now, now, None, owner)
                 self._sessions.setdefault(agent, sessions)[sid] = entry
             entry.messages.extend(encoded)
             entry.updated = now
@@ -316,7 +323,7 @@ class MemoryStore(Store):
         with self._lock:
             sessions = self._live(agent, time.time())
             infos = [
-                SessionInfo(agent, sid, e.created, e.updated, e.expires_at, len(e.messages))
+                SessionInfo(agent, sid, e.created, e.updated, e.expires_at, len(e.messages), e.owner)
                 for sid, e in sessions.items()
             ]
         return sorted(infos, key=lambda i: (-i.updated, i.id))
@@ -349,7 +356,7 @@ class MemoryStore(Store):
 
 def _snapshot(agent: str, sid: str, entry: _MemSession) -> Session:
     messages = [json.loads(m) for m in entry.messages]
-    return Session(agent, sid, messages, entry.created, entry.updated, entry.expires_at)
+    return Session(agent, sid, messages, entry.created, entry.updated, entry.expires_at, entry.owner)
 
 
 def open_store(

@@ -33,7 +33,15 @@ from fastapi import Body, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agents.registry import AgentRegistry
-from agents.service import ChatParams, ChatService, Generation, Runtime, ToolCallFilter, build_runtime
+from agents.service import (
+    ChatParams,
+    ChatService,
+    Generation,
+    Runtime,
+    SessionNotFoundError,
+    ToolCallFilter,
+    build_runtime,
+)
 from agents.spec import AgentSpec
 from agents.store import SessionLimitError, Store, StoreUnavailableError, open_store
 from scheduler.grammar_spec import GrammarBusyError
@@ -403,25 +411,26 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/agents/{agent}/v1/sessions", tags=["sessions"])
     async def list_sessions(request: Request, agent: AgentName) -> dict[str, Any]:
         spec = await _agent(request, agent)
+        caller = _state(request).auth.session_caller(request)
         infos = await _state(request).store.list_sessions(spec.name)
         return {"object": "list", "data": [
             {"id": i.id, "object": "session", "agent": i.agent, "created": i.created, "updated": i.updated,
-             "expires_at": i.expires_at, "message_count": i.message_count} for i in infos]}
+             "expires_at": i.expires_at, "message_count": i.message_count}
+            for i in infos if caller is None or caller.may_see(i)]}
 
     @app.get("/agents/{agent}/v1/sessions/{session_id}", tags=["sessions"])
     async def get_session(request: Request, agent: AgentName, session_id: SessionId) -> dict[str, Any]:
         spec = await _agent(request, agent)
-        session = await _state(request).store.get_session(spec.name, session_id)
-        if session is None:
-            raise APIError(404, f"no session {session_id!r} for agent {spec.name!r}", code="session_not_found")
+        session = await _visible_session(request, spec, session_id)
         return {"id": session.id, "object": "session", "agent": session.agent, "created": session.created,
                 "updated": session.updated, "expires_at": session.expires_at, "messages": session.messages}
 
     @app.delete("/agents/{agent}/v1/sessions/{session_id}", tags=["sessions"])
     async def delete_session(request: Request, agent: AgentName, session_id: SessionId) -> dict[str, Any]:
         spec = await _agent(request, agent)
+        await _visible_session(request, spec, session_id)
         if not await _state(request).store.delete_session(spec.name, session_id):
-            raise APIError(404, f"no session {session_id!r} for agent {spec.name!r}", code="session_not_found")
+            raise SessionNotFoundError(spec.name, session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     # ---- admin -------------------------------------------------------------------------------------
@@ -494,11 +503,25 @@ def _check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise APIError(400, message, param=param, code=code)
 
 
+async def _visible_session(request: Request, spec: AgentSpec, session_id: str) -> Any:
+    """The session if it exists and the caller may see it (its creator's key, or an admin key), else 404."""
+    session = await _state(request).store.get_session(spec.name, session_id)
+    caller = _state(request).auth.session_caller(request)
+    if session is None or (caller is not None and not caller.may_see(session)):
+        raise SessionNotFoundError(spec.name, session_id)
+    return session
+
+
+NEW_SESSION = "new"  # X-Session-Id / session_id value asking the server to choose an unguessable id
+
+
 def _session_id(request: Request, body: ChatCompletionRequest) -> str | None:
+    """The request's session id; "new" makes one up (returned in the X-Session-Id response header)."""
     header = request.headers.get("x-session-id")
     if header and body.session_id and header != body.session_id:
         raise APIError(400, "X-Session-Id and session_id differ", param="session_id", code="invalid_value")
-    return header or body.session_id
+    sid = header or body.session_id
+    return f"sess-{secrets.token_hex(16)}" if sid == NEW_SESSION else sid
 
 
 def _usage(fin: FinishEvent) -> dict[str, Any]:
@@ -613,7 +636,7 @@ def _generation_failed(fin: FinishEvent, state: ServerState) -> APIError:
     return APIError(500, f"generation failed: {fin.error}", code="generation_error")
 
 
-def _chat_params(body: ChatCompletionRequest, session_id: str | None) -> ChatParams:
+def _chat_params(body: ChatCompletionRequest, session_id: str | None, caller: Any = None) -> ChatParams:
     rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
     tool_choice = body.tool_choice
     if tool_choice is not None and not isinstance(tool_choice, str):
@@ -628,7 +651,7 @@ def _chat_params(body: ChatCompletionRequest, session_id: str | None) -> ChatPar
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, response_format=rf,
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None,
         tool_choice=tool_choice, ignore_eos=bool(body.ignore_eos), session_id=session_id, user=body.user,
-        cache_salt=body.cache_salt,
+        cache_salt=body.cache_salt, caller=caller,
     )
 
 
@@ -648,7 +671,7 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
     state = _state(request)
     service = state.require_ready()
     _check_supported(body)
-    params = _chat_params(body, _session_id(request, body))
+    params = _chat_params(body, _session_id(request, body), state.auth.session_caller(request))
     tracker = _Tracker(state, agent.name, "chat")
     tracker.user = body.user
     gen = await _submit(state, service, agent, params, tracker)
@@ -656,7 +679,7 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_chat_stream(state, gen, tracker, cid, include_usage, bool(body.logprobs)),
-                                 media_type=MEDIA_TYPE, headers=SSE_HEADERS)
+                                 media_type=MEDIA_TYPE, headers={**SSE_HEADERS, **_session_header(gen)})
     try:
         events, text, fin = await _collect(request, gen, tracker)
         if fin.reason not in (FinishReason.STOP, FinishReason.LENGTH):
@@ -677,7 +700,12 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
     return JSONResponse({
         "id": cid, "object": "chat.completion", "created": gen.created, "model": agent.name,
         "system_fingerprint": _fingerprint(state), "choices": [choice], "usage": _usage(fin),
-    })
+    }, headers=_session_header(gen))
+
+
+def _session_header(gen: Generation) -> dict[str, str]:
+    """The session a turn belongs to (the id the server chose, for X-Session-Id: new)."""
+    return {"X-Session-Id": gen.session_id} if gen.session_id else {}
 
 
 def _fingerprint(state: ServerState) -> str:

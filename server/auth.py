@@ -8,11 +8,13 @@ valid for what it asks: 403.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from fastapi import Request
 
 from agents.registry import authorize
+from agents.service import SessionCaller
 from agents.spec import AgentSpec
 from server.errors import APIError
 
@@ -61,6 +63,15 @@ class Auth:
     def may_use(self, request: Request, agent: AgentSpec) -> bool:
         key = request_key(request)
         return self.is_admin(key) or authorize(agent, key, self.enabled)
+
+    def session_caller(self, request: Request) -> SessionCaller | None:
+        """With auth on, a session belongs to the key that created it (stored as a fingerprint, never the key)
+        and only an admin key sees every session; with auth off, sessions are shared (None)."""
+        if not self.enabled:
+            return None
+        key = request_key(request)
+        owner = hashlib.sha256(b"slotserve session owner\0" + key.encode()).hexdigest()[:32] if key else None
+        return SessionCaller(owner=owner, admin=self.is_admin(key))
 
     def require_agent(self, request: Request, agent: AgentSpec) -> None:
         if self.may_use(request, agent):

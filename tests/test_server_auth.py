@@ -98,3 +98,41 @@ def test_serving_beyond_loopback_without_auth_warns():
     assert exposure_warning("0.0.0.0", True) is None
     assert "auth disabled" in exposure_warning("0.0.0.0", False)
     assert "auth.enabled" in exposure_warning("10.1.2.3", False)
+
+
+def test_a_session_belongs_to_the_key_that_created_it(server):
+    """Two keys of one agent: the second gets 404 for the first's session (read, continue, delete) and does not
+    see it listed; the admin key sees and reads it; the creator keeps using it. Only a fingerprint is stored."""
+    r = httpx.post(f"{server.url}/admin/agents", headers=bearer(ADMIN),
+                   json={"name": "gamma", "system_prompt": "You are gamma.", "api_keys": ["key-g1", "key-g2"]})
+    assert r.status_code == 201, r.text
+    base = f"{server.url}/agents/gamma/v1"
+    turn = {"messages": USER, "max_tokens": 1}
+    r = httpx.post(f"{base}/chat/completions", headers={**bearer("key-g1"), "X-Session-Id": "mine"}, json=turn,
+                   timeout=60)
+    assert r.status_code == 200 and r.headers["x-session-id"] == "mine"
+    other = bearer("key-g2")
+    assert httpx.get(f"{base}/sessions/mine", headers=other).status_code == 404
+    assert httpx.post(f"{base}/chat/completions", headers={**other, "X-Session-Id": "mine"}, json=turn,
+                      timeout=60).status_code == 404
+    assert httpx.delete(f"{base}/sessions/mine", headers=other).status_code == 404
+    assert "mine" not in [s["id"] for s in httpx.get(f"{base}/sessions", headers=other).json()["data"]]
+    assert "mine" in [s["id"] for s in httpx.get(f"{base}/sessions", headers=bearer(ADMIN)).json()["data"]]
+    assert httpx.get(f"{base}/sessions/mine", headers=bearer(ADMIN)).status_code == 200
+    r = httpx.post(f"{base}/chat/completions", headers={**bearer("key-g1"), "X-Session-Id": "mine"}, json=turn,
+                   timeout=60)
+    assert r.status_code == 200
+    assert len(httpx.get(f"{base}/sessions/mine", headers=bearer("key-g1")).json()["messages"]) == 4
+    store = server.app.state.slotserve.store
+    import asyncio
+
+    session = asyncio.run(store.get_session("gamma", "mine"))
+    assert session.owner and "key-g1" not in session.owner and len(session.owner) == 32
+
+
+def test_the_server_makes_up_an_unguessable_session_id_on_request(server):
+    r = httpx.post(f"{server.url}/agents/alpha/v1/chat/completions", headers={**bearer("key-a"), "X-Session-Id": "new"},
+                   json={"messages": USER, "max_tokens": 1}, timeout=60)
+    sid = r.headers["x-session-id"]
+    assert r.status_code == 200 and sid.startswith("sess-") and len(sid) == 5 + 32
+    assert httpx.get(f"{server.url}/agents/alpha/v1/sessions/{sid}", headers=bearer("key-a")).status_code == 200
