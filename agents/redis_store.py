@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from agents.spec import AgentSpec
 from agents.store import (
+    AgentGoneError,
     PutMode,
     Session,
     SessionInfo,
@@ -48,11 +49,13 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: msgs, meta, index. ARGV: sid, ttl_ms (0 = none), limit (0 = none), owner ('' = none), message JSON...
+# KEYS: msgs, meta, index, agents hash. ARGV: sid, ttl_ms (0 = none), limit (0 = none), owner ('' = none),
+# agent name to require in the agents hash ('' = none), message JSON...
 _APPEND = (
     _NOW_MS
     + """
 local ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
+if ARGV[5] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[5]) == 0 then return {'GONE'} end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 if redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('DEL', KEYS[1])
@@ -63,7 +66,7 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
   if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], 'owner', ARGV[4]) end
 end
 redis.call('HSET', KEYS[2], 'updated', now)
-for i = 5, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+for i = 6, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
 local score = '+inf'
 if ttl > 0 then
   score = now + ttl
@@ -244,15 +247,19 @@ class RedisStore(Store):
         ttl: float | None = None,
         max_sessions: int | None = None,
         owner: str | None = None,
+        require_agent: bool = False,
     ) -> Session:
         check_session_key(agent, sid)
         encoded = encode_messages(new_messages)
         ttl, limit = self._ttl(ttl), self._limit(max_sessions)
         ttl_ms = max(1, round(ttl * 1000)) if ttl else 0
-        reply = await self._append(keys=self._session_keys(agent, sid),
-                                   args=[sid, ttl_ms, limit or 0, owner or "", *encoded])
+        reply = await self._append(keys=[*self._session_keys(agent, sid), self._agents_key],
+                                   args=[sid, ttl_ms, limit or 0, owner or "", agent if require_agent else "",
+                                         *encoded])
         if reply[0] == "LIMIT":
             raise SessionLimitError(agent, limit or 0)
+        if reply[0] == "GONE":
+            raise AgentGoneError(agent)
         _, created, updated, expires, stored_owner, raw = reply
         return _session(agent, sid, created, updated, expires, stored_owner, raw)
 

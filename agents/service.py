@@ -474,9 +474,13 @@ class ChatService:
         max_tokens_limit: int | None = None,
         max_prompt_tokens: int | None = None,
         session_ttl: float | None = None,
+        agent_in_store: Callable[[str], bool] = lambda name: False,
     ) -> None:
         self.runtime = runtime
         self.store = store
+        # Whether an agent was created in the store (not a config file): its turns are stored only while it
+        # still exists there, so deleting it mid-turn cannot resurrect its sessions.
+        self.agent_in_store = agent_in_store
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
@@ -671,6 +675,7 @@ class ChatService:
             reply["content"] = ""
         try:
             await self.store.append_turn(gen.agent.name, gen.session_id, [*gen.new_messages, reply],
-                                         ttl=self.session_ttl, owner=gen.owner)
+                                         ttl=self.session_ttl, owner=gen.owner,
+                                         require_agent=self.agent_in_store(gen.agent.name))
         finally:
             await self.release(gen)

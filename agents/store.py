@@ -40,6 +40,7 @@ __all__ = [
     "SessionInfo",
     "SessionLimitError",
     "Store",
+    "AgentGoneError",
     "StoreError",
     "StoreUnavailableError",
     "open_store",
@@ -59,6 +60,13 @@ class StoreError(RuntimeError):
 class StoreUnavailableError(StoreError):
     """The store did not answer in time or refused the connection (the server answers 503). The message
     never carries the store's address."""
+
+
+class AgentGoneError(LookupError):
+    """The agent was deleted while its turn ran: the turn is not stored (it would resurrect the session)."""
+
+    def __init__(self, agent: str) -> None:
+        super().__init__(f"agent {agent!r} was deleted during the turn; the turn was not stored")
 
 
 class InvalidSessionIdError(ValueError):
@@ -184,9 +192,11 @@ class Store(ABC):
         ttl: float | None = None,
         max_sessions: int | None = None,
         owner: str | None = None,
+        require_agent: bool = False,
     ) -> Session:
         """Atomically append ``new_messages`` (creating the session if missing, owned by ``owner``) and return
-        the result."""
+        the result. ``require_agent``: the agent lives in this store, and if it is gone by now (deleted while
+        the turn ran) nothing is written and `AgentGoneError` is raised."""
 
     @abstractmethod
     async def delete_session(self, agent: str, sid: str) -> bool: ...
@@ -293,11 +303,14 @@ class MemoryStore(Store):
         ttl: float | None = None,
         max_sessions: int | None = None,
         owner: str | None = None,
+        require_agent: bool = False,
     ) -> Session:
         check_session_key(agent, sid)
         encoded = encode_messages(new_messages)
         ttl, limit = self._ttl(ttl), self._limit(max_sessions)
         with self._lock:
+            if require_agent and agent not in self._agents:
+                raise AgentGoneError(agent)
             now = time.time()
             sessions = self._live(agent, now)
             entry = sessions.get(sid)

@@ -43,7 +43,7 @@ from agents.service import (
     build_runtime,
 )
 from agents.spec import AgentSpec
-from agents.store import SessionLimitError, Store, StoreUnavailableError, open_store
+from agents.store import AgentGoneError, SessionLimitError, Store, StoreUnavailableError, open_store
 from scheduler.grammar_spec import GrammarBusyError
 from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
 from server.auth import Auth
@@ -302,9 +302,11 @@ def _load(state: ServerState) -> None:
         runtime.scheduler.on_failure = state.engine_died
         runtime.start()
         limits = state.config.limits
+        registry = state.registry
         state.service = ChatService(
             runtime, state.store, default_max_tokens=limits.default_max_tokens,
             max_tokens_limit=limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens,
+            agent_in_store=lambda name: registry is not None and not registry.is_file_agent(name),
         )
         state.runtime = runtime
         state.metrics.set_model_info({**runtime.info(), "dtype_reason": runtime.dtype_reason,
@@ -765,7 +767,7 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
             try:
                 await asyncio.shield(commit)
             except Exception as e:  # noqa: BLE001 - reported in the stream; the response has started
-                status = 429 if isinstance(e, SessionLimitError) else 500
+                status = 429 if isinstance(e, SessionLimitError) else 404 if isinstance(e, AgentGoneError) else 500
                 yield sse(error_body(f"the session turn was not stored: {e}", "server_error", "session_id",
                                      "session_commit_failed"))
                 return

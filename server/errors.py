@@ -19,7 +19,7 @@ from agents.chat_template import PromptTooLongError
 from agents.messages import MessageError, TemplateError
 from agents.registry import AgentConflictError, ReadOnlyAgentError, UnknownAgentError
 from agents.service import HistoryConflictError, InvalidRequestError, SessionBusyError, SessionNotFoundError
-from agents.store import InvalidSessionIdError, SessionLimitError, StoreError, StoreUnavailableError
+from agents.store import AgentGoneError, InvalidSessionIdError, SessionLimitError, StoreError, StoreUnavailableError
 from scheduler.grammar_spec import GrammarBusyError, UnsupportedConstraintError
 from scheduler.request import ContextLengthError, EngineFailedError, QueueFullError
 
@@ -139,6 +139,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(AgentConflictError, handler(409, "agent_exists"))
     app.add_exception_handler(SessionBusyError, handler(409, "session_busy"))
     app.add_exception_handler(SessionNotFoundError, handler(404, "session_not_found"))
+    app.add_exception_handler(AgentGoneError, handler(404, "agent_deleted"))
     app.add_exception_handler(HistoryConflictError, handler(409, "session_conflict", lambda e: f"messages[{e.index}]"))
     app.add_exception_handler(ReadOnlyAgentError, handler(403, "agent_read_only"))
     app.add_exception_handler(QueueFullError, handler(429, "queue_full"))

@@ -507,3 +507,20 @@ def test_a_session_turn_is_claimed_by_one_caller_at_a_time(make_store):
                 await other.close()
 
     run(make_store, body)
+
+
+def test_a_turn_of_a_deleted_store_agent_is_not_stored(make_store):
+    from agents.store import AgentGoneError
+
+    async def body(store: Store) -> None:
+        await store.put_agent(AgentSpec(name="gone"), "create")
+        await store.append_turn("gone", "s", [{"role": "user", "content": "hi"}], require_agent=True)
+        assert await store.delete_agent("gone")
+        with pytest.raises(AgentGoneError):
+            await store.append_turn("gone", "s", [{"role": "user", "content": "again"}], require_agent=True)
+        assert await store.get_session("gone", "s") is None and await store.list_sessions("gone") == []
+        # A file agent's turns (not required in the store) are stored as before.
+        await store.append_turn("filed", "s", [{"role": "user", "content": "hi"}])
+        assert await store.get_session("filed", "s") is not None
+
+    run(make_store, body)

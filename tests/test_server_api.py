@@ -488,6 +488,22 @@ def test_a_streamed_turn_is_committed_even_if_the_client_leaves_at_the_finish_ch
     assert again.status_code == 200  # the claim was released with the commit
 
 
+def test_deleting_an_agent_mid_stream_does_not_resurrect_its_sessions(server, runtime, slow_decode):
+    assert post(server, "/admin/agents", {"name": "doomed", "system_prompt": "Short-lived."}).status_code == 201
+    sid = "sess-doomed"
+    with httpx.stream("POST", f"{server.url}/agents/doomed/v1/chat/completions", timeout=60,
+                      json={"messages": USER, "max_tokens": 20, "ignore_eos": True, "stream": True},
+                      headers={"X-Session-Id": sid}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert httpx.delete(f"{server.url}/admin/agents/doomed").status_code == 200
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert '"agent_deleted"' in rest[-1] or '"session_commit_failed"' in rest[-1]
+    store = server.app.state.slotserve.store
+    assert asyncio.run(store.get_session("doomed", sid)) is None
+    assert asyncio.run(store.list_sessions("doomed")) == []
+
+
 def test_metrics_expose_the_names(server, client, runtime):
     client.chat.completions.create(model="weather", messages=USER, max_tokens=2)
     text = httpx.get(f"{server.url}/metrics").text
