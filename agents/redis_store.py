@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import secrets
 from collections.abc import Awaitable, Callable
@@ -141,6 +142,18 @@ return 1
 """
 
 
+# KEYS: the request's idempotency key. ARGV: ttl ms. Claims it ('running') or reports what it holds.
+_CLAIM_REQUEST = """
+local held = redis.call('GET', KEYS[1])
+if not held then
+  redis.call('SET', KEYS[1], 'running', 'PX', ARGV[1])
+  return {'claimed'}
+end
+if held == 'running' then return {'running'} end
+return {'done', string.sub(held, 6)}
+"""
+
+
 def _seconds(ms: Any) -> float | None:
     return None if ms is None else int(ms) / 1000.0
 
@@ -177,6 +190,7 @@ class RedisStore(Store):
         self._renew_turn = self._redis.register_script(_RENEW_TURN)
         self._cleanups: set[asyncio.Task] = set()  # claims to take back once Redis answers again
         self._end_turn = self._redis.register_script(_END_TURN)
+        self._claim_request = self._redis.register_script(_CLAIM_REQUEST)
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -329,6 +343,23 @@ class RedisStore(Store):
     @_guarded
     async def end_turn(self, agent: str, sid: str, token: str) -> None:
         await self._end_turn(keys=[self._turn_key(agent, sid)], args=[token])
+
+    def _request_key(self, scope: str, key: str) -> str:
+        digest = hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()  # any scope and key text, a fixed length
+        return f"{self._prefix}request:{digest}"
+
+    @_guarded
+    async def claim_request(self, scope: str, key: str, ttl_s: float) -> tuple[str, str | None]:
+        reply = await self._claim_request(keys=[self._request_key(scope, key)], args=[max(1, round(ttl_s * 1000))])
+        return (reply[0], reply[1] if len(reply) > 1 else None)
+
+    @_guarded
+    async def finish_request(self, scope: str, key: str, answer: str, ttl_s: float) -> None:
+        await self._redis.set(self._request_key(scope, key), "done:" + answer, px=max(1, round(ttl_s * 1000)))
+
+    @_guarded
+    async def abandon_request(self, scope: str, key: str) -> None:
+        await self._redis.delete(self._request_key(scope, key))
 
     @_guarded
     async def ping(self) -> None:

@@ -218,6 +218,20 @@ class Store(ABC):
     async def end_turn(self, agent: str, sid: str, token: str) -> None:
         """Release a claim, if it is still this token's."""
 
+    @abstractmethod
+    async def claim_request(self, scope: str, key: str, ttl_s: float) -> tuple[str, str | None]:
+        """Idempotency keys: ("claimed", None) for the first request with this key in this scope, which must
+        then `finish_request` or `abandon_request`; ("running", None) while that one runs; ("done", answer)
+        after it finished, until ``ttl_s`` after the claim."""
+
+    @abstractmethod
+    async def finish_request(self, scope: str, key: str, answer: str, ttl_s: float) -> None:
+        """Record the answer of a claimed request (kept ``ttl_s``)."""
+
+    @abstractmethod
+    async def abandon_request(self, scope: str, key: str) -> None:
+        """Drop a claimed request that failed, so that a retry runs it again."""
+
     async def ping(self) -> None:  # noqa: B027 - optional hook: a store in process memory always answers
         """Raise `StoreUnavailableError` unless the store answers (for /ready)."""
 
@@ -250,6 +264,7 @@ class MemoryStore(Store):
         self._agents: dict[str, str] = {}
         self._sessions: dict[str, dict[str, _MemSession]] = {}
         self._turns: dict[tuple[str, str], tuple[str, float]] = {}  # (agent, sid) -> (token, lapses at)
+        self._requests: dict[tuple[str, str], tuple[str | None, float]] = {}  # (scope, key) -> (answer, expiry)
         # No awaits inside the operations, so they are atomic within one event loop; the lock covers
         # callers on other threads.
         self._lock = threading.Lock()
@@ -365,6 +380,25 @@ class MemoryStore(Store):
         with self._lock:
             if self._turns.get((agent, sid), ("",))[0] == token:
                 del self._turns[(agent, sid)]
+
+
+    async def claim_request(self, scope: str, key: str, ttl_s: float) -> tuple[str, str | None]:
+        with self._lock:
+            now = time.monotonic()
+            held = self._requests.get((scope, key))
+            if held is not None and held[1] > now:
+                return ("running", None) if held[0] is None else ("done", held[0])
+            self._requests = {k: v for k, v in self._requests.items() if v[1] > now}  # forget expired keys
+            self._requests[(scope, key)] = (None, now + ttl_s)
+            return "claimed", None
+
+    async def finish_request(self, scope: str, key: str, answer: str, ttl_s: float) -> None:
+        with self._lock:
+            self._requests[(scope, key)] = (answer, time.monotonic() + ttl_s)
+
+    async def abandon_request(self, scope: str, key: str) -> None:
+        with self._lock:
+            self._requests.pop((scope, key), None)
 
 
 def _snapshot(agent: str, sid: str, entry: _MemSession) -> Session:

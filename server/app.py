@@ -46,6 +46,7 @@ from agents.spec import AgentSpec
 from agents.store import AgentGoneError, SessionLimitError, Store, StoreUnavailableError, open_store
 from scheduler.grammar_spec import GrammarBusyError
 from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
+from server import idempotency
 from server.auth import Auth
 from server.config import ServerConfig
 from server.errors import APIError, error_body, install_error_handlers
@@ -673,14 +674,35 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
     state = _state(request)
     service = state.require_ready()
     _check_supported(body)
-    params = _chat_params(body, _session_id(request, body), state.auth.session_caller(request))
+    caller = state.auth.session_caller(request)
+    idem = None
+    if (key := request.headers.get(idempotency.HEADER)) is not None:
+        scope = f"{agent.name}\0{caller.owner if caller is not None and caller.owner else ''}"
+        idem = idempotency.IdempotentRequest(state.store, scope, key, wait_s=IDEMPOTENT_WAIT_S)
+        answer = await idem.start()
+        if answer is not None:
+            return _replay(answer, body)
+    try:
+        return await _chat_turn(request, state, service, agent, body, caller, idem)
+    except BaseException:
+        if idem is not None:
+            _in_background(state, idem.abandon())
+        raise
+
+
+IDEMPOTENT_WAIT_S = 300.0  # how long a retry waits for the first request with its Idempotency-Key
+
+
+async def _chat_turn(request: Request, state: ServerState, service: ChatService, agent: AgentSpec,
+                     body: ChatCompletionRequest, caller: Any, idem: idempotency.IdempotentRequest | None) -> Response:
+    params = _chat_params(body, _session_id(request, body), caller)
     tracker = _Tracker(state, agent.name, "chat")
     tracker.user = body.user
     gen = await _submit(state, service, agent, params, tracker)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(state, gen, tracker, cid, include_usage, bool(body.logprobs)),
+        return StreamingResponse(_chat_stream(state, gen, tracker, cid, include_usage, bool(body.logprobs), idem),
                                  media_type=MEDIA_TYPE, headers={**SSE_HEADERS, **_session_header(gen)})
     try:
         events, text, fin = await _collect(request, gen, tracker)
@@ -695,14 +717,50 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
         if gen.claim is not None:  # the turn ended without a commit: free the session
             _in_background(state, service.release(gen))
     tracker.done(fin, 200, outcome.finish_reason)
+    lp = [_chat_logprob(state, ev) for ev in events] if body.logprobs else None
+    answer = _chat_body(state, gen, cid, outcome, fin, lp)
+    if idem is not None:
+        await asyncio.shield(_in_background(state, idem.finish(answer)))
+    return JSONResponse(answer, headers=_session_header(gen))
+
+
+def _chat_body(state: ServerState, gen: Generation, cid: str, outcome: Any, fin: FinishEvent,
+               logprobs: list | None = None) -> dict[str, Any]:
+    """A finished chat completion as the non-streaming API returns it (and idempotent retries replay it)."""
     choice: dict[str, Any] = {"index": 0, "message": {**outcome.message(), "refusal": None},
-                              "logprobs": None, "finish_reason": outcome.finish_reason}
-    if body.logprobs:
-        choice["logprobs"] = {"content": [_chat_logprob(state, ev) for ev in events], "refusal": None}
-    return JSONResponse({
-        "id": cid, "object": "chat.completion", "created": gen.created, "model": agent.name,
-        "system_fingerprint": _fingerprint(state), "choices": [choice], "usage": _usage(fin),
-    }, headers=_session_header(gen))
+                              "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
+                              "finish_reason": outcome.finish_reason}
+    body = {"id": cid, "object": "chat.completion", "created": gen.created, "model": gen.agent.name,
+            "system_fingerprint": _fingerprint(state), "choices": [choice], "usage": _usage(fin)}
+    if gen.session_id:
+        body["session_id"] = gen.session_id
+    return body
+
+
+def _replay(answer: dict[str, Any], body: ChatCompletionRequest) -> Response:
+    """The first answer to this Idempotency-Key, in the shape this retry asked for."""
+    headers = {"Idempotent-Replayed": "true"}
+    if answer.get("session_id"):
+        headers["X-Session-Id"] = answer["session_id"]
+    if not body.stream:
+        return JSONResponse(answer, headers=headers)
+    base = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint")}
+    base["object"] = "chat.completion.chunk"
+    message, finish = answer["choices"][0]["message"], answer["choices"][0]["finish_reason"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    chunks = [sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}),
+              sse({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]})]
+    if body.stream_options and body.stream_options.include_usage:
+        chunks.append(sse({**base, "choices": [], "usage": answer["usage"]}))
+    chunks.append(DONE)
+
+    async def replay() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(replay(), media_type=MEDIA_TYPE, headers={**SSE_HEADERS, **headers})
 
 
 def _session_header(gen: Generation) -> dict[str, str]:
@@ -716,7 +774,7 @@ def _fingerprint(state: ServerState) -> str:
 
 
 async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, cid: str, include_usage: bool,
-                       logprobs: bool) -> AsyncIterator[bytes]:
+                       logprobs: bool, idem: idempotency.IdempotentRequest | None = None) -> AsyncIterator[bytes]:
     service = state.service
     base = {"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": gen.agent.name,
             "system_fingerprint": _fingerprint(state)}
@@ -771,6 +829,9 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
                 yield sse(error_body(f"the session turn was not stored: {e}", "server_error", "session_id",
                                      "session_commit_failed"))
                 return
+            if idem is not None:
+                await asyncio.shield(_in_background(state, idem.finish(_chat_body(state, gen, cid, outcome, ev))))
+                idem = None
             if include_usage:
                 yield sse({**base, "choices": [], "usage": _usage(ev)})
             yield DONE
@@ -785,6 +846,8 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
             tracker.done(fin, status)
         if gen.claim is not None and commit is None:  # the turn ended without a commit: free the session
             _in_background(state, service.release(gen))
+        if idem is not None:  # no answer recorded: a retry runs the request again
+            _in_background(state, idem.abandon())
 
 
 def _completion_params(body: CompletionRequest) -> ChatParams:

@@ -524,3 +524,18 @@ def test_a_turn_of_a_deleted_store_agent_is_not_stored(make_store):
         assert await store.get_session("filed", "s") is not None
 
     run(make_store, body)
+
+
+def test_idempotency_keys_claim_once_and_replay_the_answer(make_store):
+    async def body(store: Store) -> None:
+        assert await store.claim_request("agent\0owner", "k1", ttl_s=5) == ("claimed", None)
+        assert await store.claim_request("agent\0owner", "k1", ttl_s=5) == ("running", None)
+        assert await store.claim_request("agent\0other", "k1", ttl_s=5) == ("claimed", None)  # another scope
+        await store.finish_request("agent\0owner", "k1", '{"answer": 1}', ttl_s=5)
+        assert await store.claim_request("agent\0owner", "k1", ttl_s=5) == ("done", '{"answer": 1}')
+        await store.abandon_request("agent\0other", "k1")
+        assert await store.claim_request("agent\0other", "k1", ttl_s=0.2) == ("claimed", None)
+        await asyncio.sleep(0.4)  # a claim that never finished lapses
+        assert await store.claim_request("agent\0other", "k1", ttl_s=5) == ("claimed", None)
+
+    run(make_store, body)

@@ -651,3 +651,36 @@ def test_speculation_is_configurable():
 
     assert load_config().runtime_options().speculative is True
     assert load_config(overrides={"scheduler.speculative": False}).runtime_options().speculative is False
+
+
+def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer_and_commits_once(server, runtime, slow_decode):
+    """The retry sent while the first request runs waits for it; one sent later replays it; both return the
+    first answer and the session holds one turn. A streamed retry gets the same answer as a stream. A new
+    key runs anew; a bad key is a 400."""
+    sid = "sess-idem"
+    body = {"messages": [{"role": "user", "content": "Once only."}], "max_tokens": 6, "ignore_eos": True,
+            "temperature": 1.0}
+    headers = {"X-Session-Id": sid, "Idempotency-Key": "turn-1"}
+    url = "/agents/assistant/v1/chat/completions"
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", post(server, url, body, headers=headers)))
+    first.start()
+    wait_until(lambda: runtime.scheduler.running > 0, timeout=30)
+    during = post(server, url, body, headers=headers)
+    first.join(60)
+    after = post(server, url, body, headers=headers)
+    answers = [r.json()["choices"][0]["message"]["content"] for r in (results["first"], during, after)]
+    assert all(r.status_code == 200 for r in (results["first"], during, after))
+    assert answers[0] == answers[1] == answers[2]
+    assert during.headers["idempotent-replayed"] == "true" and after.json()["id"] == results["first"].json()["id"]
+    stored = httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    with httpx.stream("POST", f"{server.url}{url}", json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == answers[0]
+    fresh = post(server, url, {**body, "messages": [{"role": "user", "content": "Next."}]},
+                 headers={**headers, "Idempotency-Key": "turn-2"})
+    assert fresh.status_code == 200 and "idempotent-replayed" not in fresh.headers
+    assert len(httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").json()["messages"]) == 4
+    bad = post(server, url, body, headers={"Idempotency-Key": "x" * 300})
+    assert _error(bad, 400)["param"] == "Idempotency-Key"
