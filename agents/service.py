@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.chat_template import ChatTemplate, RenderedPrompt
+from agents.chat_template import ChatTemplate, PromptTooLongError, RenderedPrompt
 from agents.messages import normalize_messages
 from agents.spec import AgentSpec
 from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
@@ -241,6 +241,7 @@ class ChatParams:
     user: str | None = None
     cache_salt: str | None = None  # requests share cached KV only with the same salt (vLLM's API)
     caller: SessionCaller | None = None  # who asks, for session ownership; None: sessions are shared
+    truncation: str | None = None  # "auto" | "disabled"; None: the agent's
 
 
 class InvalidRequestError(ValueError):
@@ -497,10 +498,35 @@ class ChatService:
         return min(limits)
 
     def render_chat(self, agent: AgentSpec, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> RenderedPrompt:
-        """The prompt ids for a conversation under ``agent`` (the exact ids the model is fed)."""
-        return self.runtime.template.render(agent.system_prompt, messages, tools=tools,
-                                            max_prompt_tokens=self.prompt_limit(agent))
+                    tools: list[dict[str, Any]] | None = None, truncation: str = "disabled") -> RenderedPrompt:
+        """The prompt ids for a conversation under ``agent`` (the exact ids the model is fed). Over the prompt
+        limit, ``truncation="auto"`` drops the oldest turns (never the system messages, never the last turn:
+        it ends the conversation) until the rest fits, as the Responses API's truncation does; "disabled"
+        raises `PromptTooLongError`."""
+        limit = self.prompt_limit(agent)
+        render = self.runtime.template.render
+        try:
+            return render(agent.system_prompt, messages, tools=tools, max_prompt_tokens=limit)
+        except PromptTooLongError:
+            if truncation != "auto":
+                raise
+        lead = 0
+        while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+            lead += 1
+        cuts = [i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"]  # where turns start
+        lo, hi, best = 0, len(cuts) - 1, None  # the fewest turns dropped that fit: binary search over cuts
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            try:
+                best = render(agent.system_prompt, messages[:lead] + messages[cuts[mid]:], tools=tools,
+                              max_prompt_tokens=limit)
+                hi = mid - 1
+            except PromptTooLongError:
+                lo = mid + 1
+        if best is None:  # even the last turn alone is too long
+            return render(agent.system_prompt, messages[:lead] + messages[cuts[-1]:] if cuts else messages,
+                          tools=tools, max_prompt_tokens=limit)
+        return best
 
     def sampling(self, agent: AgentSpec, p: ChatParams) -> SamplingParams:
         d = agent.defaults
@@ -602,7 +628,8 @@ class ChatService:
             conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages, p.caller)
             if not conversation:
                 raise InvalidRequestError("messages must not be empty", "messages")
-            rendered = await asyncio.to_thread(self.render_chat, agent, conversation, tools)
+            truncation = p.truncation or agent.truncation
+            rendered = await asyncio.to_thread(self.render_chat, agent, conversation, tools, truncation)
         else:
             if p.session_id is not None:
                 raise InvalidRequestError("sessions are supported on chat completions only", "session_id")

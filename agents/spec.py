@@ -67,6 +67,8 @@ class AgentSpec(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
     context_limit: int | None = Field(None, ge=1, description="max prompt tokens for this agent")
+    truncation: Literal["auto", "disabled"] = Field(
+        "disabled", description="a conversation over the context: drop its oldest turns (auto) or refuse it (400)")
     priority: int = Field(1, ge=1)
     api_keys: list[ApiKey] = Field(default_factory=list)
 

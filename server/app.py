@@ -654,7 +654,7 @@ def _chat_params(body: ChatCompletionRequest, session_id: str | None, caller: An
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, response_format=rf,
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None,
         tool_choice=tool_choice, ignore_eos=bool(body.ignore_eos), session_id=session_id, user=body.user,
-        cache_salt=body.cache_salt, caller=caller,
+        cache_salt=body.cache_salt, caller=caller, truncation=body.truncation,
     )
 
 

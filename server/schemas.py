@@ -189,6 +189,9 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[Literal["text"]] | None = None
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, examples=["session-1"],
                                    description="extension (or X-Session-Id)")
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="extension (as the Responses API's): over the context, drop the oldest turns (auto) or "
+                          "refuse with 400 (disabled); default: the agent's")
 
 
 class CompletionRequest(_Sampling):

@@ -416,3 +416,27 @@ def test_message_boundaries_are_prefixes_of_every_later_turn(tok, template):
         head = tok.decode(now.ids[:b]).strip().removesuffix("<end_of_turn>").strip()
         ends |= {text for text in texts if head.endswith(text)}
     assert ends == set(texts)
+
+
+def test_truncation_auto_drops_the_fewest_oldest_turns_and_keeps_system_and_last(tok, builtin):
+    from types import SimpleNamespace
+
+    from agents.chat_template import PromptTooLongError
+    from agents.service import ChatService
+    from agents.spec import AgentSpec
+
+    service = ChatService(SimpleNamespace(template=builtin, max_len=10_000), store=None)
+    agent = AgentSpec(name="a", system_prompt="Be brief.", context_limit=60)
+    turns = []
+    for i in range(8):
+        turns += [user(f"Question {i}: " + "word " * 6), assistant(f"Answer {i}.")]
+    messages = [{"role": "system", "content": "Client rules."}, *turns, user("Last question?")]
+    with pytest.raises(PromptTooLongError):
+        service.render_chat(agent, messages)
+    rendered = service.render_chat(agent, messages, truncation="auto")
+    text = tok.decode(rendered.ids)
+    assert len(rendered.ids) <= 60 and "Client rules." in text and "Be brief." in text and "Last question?" in text
+    kept = [i for i in range(8) if f"Question {i}:" in text]
+    assert kept and kept == list(range(kept[0], 8))  # a suffix of the turns, oldest dropped
+    with pytest.raises(PromptTooLongError):  # one more turn would not fit: no more was dropped than needed
+        builtin.render("Be brief.", [messages[0], *turns[2 * (kept[0] - 1):], messages[-1]], max_prompt_tokens=60)

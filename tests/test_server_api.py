@@ -401,6 +401,28 @@ def test_prompt_over_the_agent_context_limit_is_400(server):
     assert body["code"] == "context_length_exceeded"
 
 
+def test_a_conversation_over_the_context_drops_its_oldest_turns_when_truncation_is_auto(server):
+    r = post(server, "/admin/agents", {"name": "rolling", "system_prompt": "Be brief.", "context_limit": 60,
+                                       "truncation": "auto"})
+    assert r.status_code == 201, r.text
+    turns = []
+    for i in range(8):
+        turns += [{"role": "user", "content": f"Question {i}: " + "word " * 6},
+                  {"role": "assistant", "content": f"Answer {i}."}]
+    long = [{"role": "system", "content": "Client rules."}, *turns, {"role": "user", "content": "Last question?"}]
+    r = post(server, "/agents/rolling/v1/chat/completions", {"messages": long, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] <= 60
+    # Per request: disabled refuses it; on an agent without truncation, auto makes it fit.
+    body = _error(post(server, "/agents/rolling/v1/chat/completions", {"messages": long, "max_tokens": 1,
+                                                                      "truncation": "disabled"}), 400)
+    assert body["code"] == "context_length_exceeded"
+    assert post(server, "/admin/agents", {"name": "strict", "context_limit": 60}).status_code == 201
+    assert _error(post(server, "/agents/strict/v1/chat/completions", {"messages": long, "max_tokens": 1}),
+                  400)["code"] == "context_length_exceeded"
+    r = post(server, "/agents/strict/v1/chat/completions", {"messages": long, "max_tokens": 1, "truncation": "auto"})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] <= 60
+
+
 def test_request_id_is_echoed(server):
     r = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123" and r.json() == {"status": "ok"}
