@@ -446,7 +446,7 @@ def slow_decode(runtime, monkeypatch):
         monkeypatch.setattr(runtime.engine, name, slow)
 
 
-def test_client_disconnect_frees_the_slot(server, runtime, slow_decode):
+def test_a_stream_closed_after_its_first_token_frees_its_slot_within_a_second(server, runtime, slow_decode):
     sched = runtime.scheduler
     before = sched.stats.cancelled
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
@@ -456,10 +456,12 @@ def test_client_disconnect_frees_the_slot(server, runtime, slow_decode):
         for line in r.iter_lines():
             if line.startswith("data: ") and '"content":"' in line and '"role"' not in line:
                 seen += 1
-                if seen == 2:
+                if seen == 1:
                     break
-    wait_until(lambda: sched.stats.cancelled > before, timeout=10)
+    closed = time.perf_counter()
     wait_until(lambda: sched.running == 0, timeout=10)
+    assert time.perf_counter() - closed < 1.0  # the slot is free within a second of the client leaving
+    wait_until(lambda: sched.stats.cancelled > before, timeout=10)
 
 
 def test_non_streaming_disconnect_cancels(server, runtime, slow_decode):
@@ -706,3 +708,27 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer_and_commits
     assert len(httpx.get(f"{server.url}/agents/assistant/v1/sessions/{sid}").json()["messages"]) == 4
     bad = post(server, url, body, headers={"Idempotency-Key": "x" * 300})
     assert _error(bad, 400)["param"] == "Idempotency-Key"
+
+
+def test_300_requests_at_once_get_only_200_or_429_with_retry_after(runtime):
+    """A flood beyond the bounded queue (16 waiting here): every request is answered, either served or refused
+    with 429 and Retry-After; nothing hangs, nothing is a 5xx."""
+    sched = runtime.scheduler
+    app = create_app(server_config(), runtime=runtime)
+    with LiveServer(app) as srv:
+        old = sched.config
+        sched.config = type(old)(**{**old.__dict__, "max_waiting": 16})
+        try:
+            async def flood():
+                limits = httpx.Limits(max_connections=300)
+                async with httpx.AsyncClient(limits=limits, timeout=120) as c:
+                    body = {"model": "assistant", "messages": USER, "max_tokens": 2}
+                    return await asyncio.gather(*[c.post(f"{srv.url}/v1/chat/completions", json=body)
+                                                  for _ in range(300)])
+
+            replies = asyncio.run(flood())
+        finally:
+            sched.config = old
+    codes = [r.status_code for r in replies]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 16 and codes.count(429) > 0
+    assert all(r.headers.get("retry-after") for r in replies if r.status_code == 429)
