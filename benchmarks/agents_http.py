@@ -44,7 +44,7 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from http_load import default_gguf, free_port, git_commit, percentile, sse_chunks  # noqa: E402
+from http_load import default_gguf, free_port, git_commit, percentile, sse_chunks, stop_process  # noqa: E402
 from report import save_report  # noqa: E402
 
 _WORD_TEXT = (
@@ -272,11 +272,7 @@ def run_server(kind: str, args: argparse.Namespace, work: dict[str, Any], templa
             try:
                 return measure(kind, server, proc, args, work, template)
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_process(proc, 60)
 
 
 def measure(kind: str, server: dict[str, Any], proc: subprocess.Popen, args: argparse.Namespace,

