@@ -614,6 +614,9 @@ async def _collect(request: Request, gen: Generation, tracker: _Tracker) -> tupl
     raise RuntimeError("the event stream ended without a finish event")
 
 
+CLIENT_CLOSED = 499  # the status metrics and logs give a request whose client went away (nginx's convention)
+
+
 def _in_background(state: ServerState, work: Any) -> asyncio.Task:
     """Run ``work`` (a coroutine) to its end even if the request that started it is cancelled."""
     task = asyncio.ensure_future(work)
@@ -633,6 +636,9 @@ def _generation_failed(fin: FinishEvent, state: ServerState) -> APIError:
     if state.engine_failure is not None:
         return APIError(503, f"generation ended: the engine loop died ({state.engine_failure})",
                         code="engine_failed")
+    if fin.reason is FinishReason.CANCELLED and not state.shutting_down:
+        # Only the client cancels outside a shutdown (it went away): recorded as nginx's 499, not a 503.
+        return APIError(CLIENT_CLOSED, "the client closed the request", code="client_closed_request")
     if fin.reason is FinishReason.CANCELLED:
         return APIError(503, f"generation ended early: {fin.error or 'the server is shutting down'}",
                         code="shutting_down")
@@ -841,7 +847,7 @@ async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, c
         state.live.discard(gen)
         if gen.handle.finished is None:  # client went away (or shutdown): free the slot now
             gen.cancel()
-            tracker.done(None, 499)
+            tracker.done(None, CLIENT_CLOSED)
         elif status != 200:
             tracker.done(fin, status)
         if gen.claim is not None and commit is None:  # the turn ended without a commit: free the session
@@ -939,6 +945,6 @@ async def _completion_stream(state: ServerState, gen: Generation, tracker: _Trac
         state.live.discard(gen)
         if gen.handle.finished is None:
             gen.cancel()
-            tracker.done(None, 499)
+            tracker.done(None, CLIENT_CLOSED)
         elif status != 200:
             tracker.done(fin, status)

@@ -35,6 +35,7 @@ _TYPES = {
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     500: "server_error",
     503: "service_unavailable",
 }

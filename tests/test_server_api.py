@@ -472,6 +472,8 @@ def test_non_streaming_disconnect_cancels(server, runtime, slow_decode):
                                               "ignore_eos": True}, timeout=0.8)
     wait_until(lambda: sched.stats.cancelled > before, timeout=10)
     wait_until(lambda: sched.running == 0, timeout=10)
+    # Metrics say what happened: the client left (499), not a server error.
+    wait_until(lambda: 'endpoint="chat",status="499"' in httpx.get(f"{server.url}/metrics").text, timeout=10)
 
 
 def test_two_turns_at_once_on_one_session_never_interleave(server, runtime, slow_decode):
