@@ -153,6 +153,13 @@ if held == 'running' then return {'running'} end
 return {'done', string.sub(held, 6)}
 """
 
+# KEYS: the request's idempotency key. ARGV: ttl ms. Extends the claim while it is still running.
+_RENEW_REQUEST = """
+if redis.call('GET', KEYS[1]) ~= 'running' then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
 
 def _seconds(ms: Any) -> float | None:
     return None if ms is None else int(ms) / 1000.0
@@ -191,6 +198,7 @@ class RedisStore(Store):
         self._cleanups: set[asyncio.Task] = set()  # claims to take back once Redis answers again
         self._end_turn = self._redis.register_script(_END_TURN)
         self._claim_request = self._redis.register_script(_CLAIM_REQUEST)
+        self._renew_request = self._redis.register_script(_RENEW_REQUEST)
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -352,6 +360,10 @@ class RedisStore(Store):
     async def claim_request(self, scope: str, key: str, ttl_s: float) -> tuple[str, str | None]:
         reply = await self._claim_request(keys=[self._request_key(scope, key)], args=[max(1, round(ttl_s * 1000))])
         return (reply[0], reply[1] if len(reply) > 1 else None)
+
+    @_guarded
+    async def renew_request(self, scope: str, key: str, ttl_s: float) -> bool:
+        return bool(await self._renew_request(keys=[self._request_key(scope, key)], args=[max(1, round(ttl_s * 1000))]))
 
     @_guarded
     async def finish_request(self, scope: str, key: str, answer: str, ttl_s: float) -> None:

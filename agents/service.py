@@ -272,7 +272,9 @@ class SessionNotFoundError(LookupError):
         super().__init__(f"no session {sid!r} for agent {agent!r}")
 
 
-TURN_LEASE_S = 30.0  # a session's turn claim lapses this long after its last renewal (a crashed server frees it)
+# A session's turn claim (and a request's Idempotency-Key claim) lapses this long after its last renewal, so a
+# crashed server frees them; renewed every third of it while the turn runs.
+LEASE_S = 30.0
 
 
 class SessionBusyError(RuntimeError):
@@ -291,6 +293,7 @@ class TurnClaim:
     agent: str
     sid: str
     token: str
+    lease_s: float = LEASE_S
     renewal: asyncio.Task | None = None
     handle: RequestHandle | None = None  # the turn's generation, once submitted
 
@@ -299,13 +302,13 @@ class TurnClaim:
         was never read) lets the claim lapse rather than hold the session."""
         finished_for = 0.0
         while True:
-            await asyncio.sleep(TURN_LEASE_S / 3)
+            await asyncio.sleep(self.lease_s / 3)
             if self.handle is not None and self.handle.finished is not None:
-                finished_for += TURN_LEASE_S / 3
-                if finished_for >= TURN_LEASE_S:
+                finished_for += self.lease_s / 3
+                if finished_for >= self.lease_s:
                     return
             try:
-                if not await self.store.renew_turn(self.agent, self.sid, self.token, TURN_LEASE_S):
+                if not await self.store.renew_turn(self.agent, self.sid, self.token, self.lease_s):
                     log.warning("a turn's session claim lapsed", extra={"event": {"session": self.sid}})
                     return
             except StoreError as e:  # the store is down: the claim lapses on its own, the turn goes on
@@ -475,6 +478,7 @@ class ChatService:
         max_tokens_limit: int | None = None,
         max_prompt_tokens: int | None = None,
         session_ttl: float | None = None,
+        lease_s: float = LEASE_S,
         agent_in_store: Callable[[str], bool] = lambda name: False,
     ) -> None:
         self.runtime = runtime
@@ -486,6 +490,7 @@ class ChatService:
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
         self.session_ttl = session_ttl
+        self.lease_s = lease_s
 
     # ---- building blocks (also used by tests as debug hooks) ------------------------------------
 
@@ -609,10 +614,10 @@ class ChatService:
         return gen
 
     async def _claim(self, agent: AgentSpec, sid: str) -> TurnClaim:
-        token = await self.store.begin_turn(agent.name, sid, TURN_LEASE_S)
+        token = await self.store.begin_turn(agent.name, sid, self.lease_s)
         if token is None:
             raise SessionBusyError(agent.name, sid)
-        claim = TurnClaim(self.store, agent.name, sid, token)
+        claim = TurnClaim(self.store, agent.name, sid, token, self.lease_s)
         claim.renewal = asyncio.create_task(claim.keep())
         return claim
 

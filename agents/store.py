@@ -225,6 +225,11 @@ class Store(ABC):
         after it finished, until ``ttl_s`` after the claim."""
 
     @abstractmethod
+    async def renew_request(self, scope: str, key: str, ttl_s: float) -> bool:
+        """Extend a running claim by ``ttl_s``; False once it is no longer running (finished, abandoned or
+        lapsed)."""
+
+    @abstractmethod
     async def finish_request(self, scope: str, key: str, answer: str, ttl_s: float) -> None:
         """Record the answer of a claimed request (kept ``ttl_s``)."""
 
@@ -391,6 +396,14 @@ class MemoryStore(Store):
             self._requests = {k: v for k, v in self._requests.items() if v[1] > now}  # forget expired keys
             self._requests[(scope, key)] = (None, now + ttl_s)
             return "claimed", None
+
+    async def renew_request(self, scope: str, key: str, ttl_s: float) -> bool:
+        with self._lock:
+            held = self._requests.get((scope, key))
+            if held is None or held[0] is not None or held[1] <= time.monotonic():
+                return False
+            self._requests[(scope, key)] = (None, time.monotonic() + ttl_s)
+            return True
 
     async def finish_request(self, scope: str, key: str, answer: str, ttl_s: float) -> None:
         with self._lock:

@@ -307,6 +307,7 @@ def _load(state: ServerState) -> None:
         state.service = ChatService(
             runtime, state.store, default_max_tokens=limits.default_max_tokens,
             max_tokens_limit=limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens,
+            lease_s=state.config.store.lease_s,
             agent_in_store=lambda name: registry is not None and not registry.is_file_agent(name),
         )
         state.runtime = runtime
@@ -684,7 +685,8 @@ async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest)
     idem = None
     if (key := request.headers.get(idempotency.HEADER)) is not None:
         scope = f"{agent.name}\0{caller.owner if caller is not None and caller.owner else ''}"
-        idem = idempotency.IdempotentRequest(state.store, scope, key, wait_s=IDEMPOTENT_WAIT_S)
+        idem = idempotency.IdempotentRequest(state.store, scope, key, wait_s=IDEMPOTENT_WAIT_S,
+                                             lease_s=state.config.store.lease_s)
         answer = await idem.start()
         if answer is not None:
             return _replay(answer, body)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agents.service import RuntimeOptions
+from agents.service import LEASE_S, RuntimeOptions
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -69,6 +69,9 @@ class StoreSection(_Section):
     timeout_s: float = Field(2.0, gt=0)  # every Redis call; beyond it requests get 503 store_unavailable
     session_ttl_s: float = Field(86_400, ge=0)  # 0: sessions never expire
     max_sessions_per_agent: int = Field(0, ge=0)  # 0: no limit
+    # A crashed server's hold on a running turn (its session, its Idempotency-Key) lapses this long after it
+    # last renewed it: the session's next turn and the retry may run then.
+    lease_s: float = Field(LEASE_S, gt=0)
 
 
 class ServerSection(_Section):

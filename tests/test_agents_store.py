@@ -539,3 +539,18 @@ def test_idempotency_keys_claim_once_and_replay_the_answer(make_store):
         assert await store.claim_request("agent\0other", "k1", ttl_s=5) == ("claimed", None)
 
     run(make_store, body)
+
+
+def test_a_renewed_idempotency_claim_stays_running_and_a_finished_one_is_not_renewed(make_store):
+    async def body(store: Store) -> None:
+        assert await store.claim_request("a\0o", "k", ttl_s=0.3) == ("claimed", None)
+        for _ in range(3):  # renewed past its first lease: still running
+            await asyncio.sleep(0.15)
+            assert await store.renew_request("a\0o", "k", ttl_s=0.3)
+        assert await store.claim_request("a\0o", "k", ttl_s=0.3) == ("running", None)
+        await store.finish_request("a\0o", "k", '{"x": 1}', ttl_s=5)
+        assert not await store.renew_request("a\0o", "k", ttl_s=0.3)  # a finished answer is not turned back
+        assert await store.claim_request("a\0o", "k", ttl_s=0.3) == ("done", '{"x": 1}')
+        assert not await store.renew_request("a\0o", "never", ttl_s=0.3)
+
+    run(make_store, body)
