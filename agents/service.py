@@ -24,8 +24,9 @@ from agents.messages import normalize_messages
 from agents.spec import AgentSpec
 from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
 from core.sampling import SamplingParams
-from scheduler.grammar_spec import TOOL_CALL_MARKER, ConstraintSpec, UnsupportedConstraintError, parse_tool_calls
+from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
+from scheduler.tool_calls import ToolCallStream, begins_call, parse_partial_call, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ __all__ = [
     "Generation",
     "Runtime",
     "RuntimeOptions",
-    "ToolCallFilter",
     "assemble_runtime",
     "build_runtime",
 ]
@@ -361,34 +361,10 @@ class Outcome:
         return out
 
 
-class ToolCallFilter:
-    """Streams text content while holding back what may be a tool call.
-
-    Without tools, text passes through. With tool_choice "required" (or a named function) the whole
-    output is a call, so nothing is streamed as content. With "auto", text is held while it could still
-    be the start of `TOOL_CALL_MARKER`; once it cannot, it flows; once it is, the rest is the call.
-    """
-
-    def __init__(self, mode: str | None) -> None:
-        self.mode = mode
-        self.buffer = ""
-        self.released = mode is None
-
-    def push(self, text: str) -> str:
-        if self.released:
-            return text
-        self.buffer += text
-        if self.mode == "auto":
-            head = self.buffer[: len(TOOL_CALL_MARKER)]
-            if not TOOL_CALL_MARKER.startswith(head):
-                self.released = True
-                out, self.buffer = self.buffer, ""
-                return out
-        return ""
-
-    @property
-    def held(self) -> str:
-        return self.buffer
+def _with_id(calls: list[dict[str, Any]], call_id: str | None) -> list[dict[str, Any]]:
+    if call_id is not None:
+        calls[0]["id"] = call_id
+    return calls
 
 
 class HistoryConflictError(ValueError):
@@ -569,13 +545,12 @@ class ChatService:
         tools = p.tools if p.tools is not None else agent.tools
         choice = p.tool_choice if p.tool_choice is not None else (agent.tool_choice if p.tools is None else "auto")
         response_format = p.response_format if p.response_format is not None else agent.response_format
-        tool_spec = ConstraintSpec.tools(tools, choice) if tools or choice not in ("auto", "none") else None
         format_spec = response_format_spec(response_format)
-        if tool_spec is not None and format_spec is not None:
-            raise UnsupportedConstraintError("response_format with tools",
-                                             "set tool_choice to 'none' or drop response_format")
+        # With both, the model calls a tool (as tool_choice allows) or answers with a document of the format.
+        spec = ConstraintSpec.tools(tools, choice, answer=format_spec) if tools or choice not in ("auto", "none") \
+            else format_spec
         described = tools if tools and choice != "none" else None
-        return tool_spec or format_spec, described
+        return spec, described
 
     async def session_messages(self, agent: AgentSpec, session_id: str | None, messages: list[dict[str, Any]],
                                caller: SessionCaller | None = None
@@ -685,17 +660,28 @@ class ChatService:
             return RenderedPrompt(list(prompt), 0, "")
         return self.runtime.template.render_completion(prompt, max_prompt_tokens=self.prompt_limit(agent))
 
-    def finish(self, gen: Generation, text: str, reason: FinishReason) -> Outcome:
-        """The assistant message for the generated ``text`` (tool calls parsed) and the OpenAI finish reason."""
+    def finish(self, gen: Generation, text: str, reason: FinishReason, call_id: str | None = None) -> Outcome:
+        """The assistant message for the generated ``text`` (tool calls parsed) and the OpenAI finish reason.
+        ``call_id``: the id the stream already gave the call. A call cut short by max_tokens is still the
+        call it was becoming (finish reason "length"), never leaked into the content."""
         finish = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(reason, str(reason))
         if gen.tool_mode is not None:
             try:
                 calls = parse_tool_calls(text, gen.spec)
-            except ValueError:
-                calls = None  # cut short (max_tokens): hand back the raw text
+            except ValueError:  # cut short (max_tokens, a stop sequence)
+                partial = parse_partial_call(text, gen.tool_mode)
+                if partial is not None:
+                    return Outcome(None, _with_id([partial], call_id), finish)
+                if begins_call(text, gen.tool_mode):  # cut before it named a function: nothing usable
+                    return Outcome("", None, finish)
+                calls = None
             if calls:
-                return Outcome(None, calls, "tool_calls")
+                return Outcome(None, _with_id(calls, call_id), "tool_calls")
         return Outcome(text, None, finish)
+
+    def call_stream(self, gen: Generation) -> ToolCallStream:
+        """Splits the generation's text into answer text and tool-call pieces as it arrives."""
+        return ToolCallStream(gen.tool_mode)
 
     async def commit(self, gen: Generation, outcome: Outcome) -> None:
         """Store this turn (new messages + the reply) in the session, if the request has one, then release the

@@ -41,16 +41,9 @@ from scheduler.grammar_llguidance import (
     llguidance_tokenizer,
 )
 from scheduler.grammar_outlines import OutlinesCoreBackend, OutlinesMatcher
-from scheduler.grammar_spec import (
-    TOOL_CALL_MARKER,
-    ConstraintSpec,
-    GrammarBusyError,
-    UnsupportedConstraintError,
-    parse_tool_calls,
-)
+from scheduler.grammar_spec import ConstraintSpec, GrammarBusyError, UnsupportedConstraintError
 
 __all__ = [
-    "TOOL_CALL_MARKER",
     "CompiledGrammar",
     "ConstraintSpec",
     "GrammarBusyError",
@@ -59,7 +52,6 @@ __all__ = [
     "UnsupportedConstraintError",
     "fill_masks",
     "llguidance_tokenizer",
-    "parse_tool_calls",
 ]
 
 BACKENDS: dict[str, type[Backend]] = {"llguidance": LLGuidanceBackend, "outlines-core": OutlinesCoreBackend}

@@ -16,13 +16,13 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from core.tokenizer import Tokenizer
 from scheduler.grammar_backends import Backend, GrammarMatcher, prepare_schema
 from scheduler.grammar_spec import (
-    TOOL_CALL_MARKER,
     ConstraintSpec,
     UnsupportedConstraintError,
     canonical_json,
     not_prefixed_regex,
     regex_literal,
 )
+from scheduler.tool_calls import TOOL_CALL_MARKER
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher", "fill_llguidance_masks", "llguidance_tokenizer"]
 
@@ -126,7 +126,11 @@ def _llg_json(schema: Any) -> dict[str, Any]:
 
 
 def _tools_lark(spec: ConstraintSpec) -> str:
-    lines = ["start: " + ("TEXT | " + json.dumps(TOOL_CALL_MARKER) + " call" if spec.tool_mode == "auto" else "call")]
+    answer = spec.answer_schema
+    if spec.tool_mode != "auto":
+        lines = ["start: call"]
+    else:
+        lines = [f"start: {'answer' if answer is not None else 'TEXT'} | {json.dumps(TOOL_CALL_MARKER)} call"]
     functions = spec.functions
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
     for i, fn in enumerate(functions):
@@ -140,7 +144,12 @@ def _tools_lark(spec: ConstraintSpec) -> str:
             raise UnsupportedConstraintError(e.feature, f"parameters of {fn['name']!r}: {e.detail}") from None
         lines.append(f'call_{i}: {prefix} args_{i} "}}"')
         lines.append(f"args_{i}: %json {args}")
-    if spec.tool_mode == "auto":
+    if spec.tool_mode == "auto" and answer is not None:
+        try:
+            lines.append(f"answer: %json {canonical_json(_llg_json(answer))}")
+        except UnsupportedConstraintError as e:
+            raise UnsupportedConstraintError(e.feature, f"response_format: {e.detail}") from None
+    elif spec.tool_mode == "auto":
         lines.append(f"TEXT: /{not_prefixed_regex(TOOL_CALL_MARKER)}/")
     return "\n".join(lines) + "\n"
 

@@ -15,13 +15,13 @@ import numpy as np
 from core.tokenizer import Tokenizer
 from scheduler.grammar_backends import Backend, GrammarMatcher, prepare_schema
 from scheduler.grammar_spec import (
-    TOOL_CALL_MARKER,
     ConstraintSpec,
     UnsupportedConstraintError,
     canonical_json,
     not_prefixed_regex,
     regex_literal,
 )
+from scheduler.tool_calls import TOOL_CALL_MARKER
 
 __all__ = ["OutlinesCoreBackend", "OutlinesMatcher", "check_outlines_schema", "outlines_regex", "outlines_vocabulary"]
 
@@ -223,7 +223,9 @@ def outlines_regex(spec: ConstraintSpec) -> str:
         calls.append(regex_literal(canonical_json({"name": fn["name"]})[:-1] + ',"arguments":') + args + r"\x7D")
     call = "(?:" + "|".join(calls) + ")"
     if spec.tool_mode == "auto":
-        return f"(?:{not_prefixed_regex(TOOL_CALL_MARKER)}|{regex_literal(TOOL_CALL_MARKER)}{call})"
+        answer = not_prefixed_regex(TOOL_CALL_MARKER) if spec.answer_schema is None else _oc_schema_regex(
+            spec.answer_schema)
+        return f"(?:{answer}|{regex_literal(TOOL_CALL_MARKER)}{call})"
     return call
 
 

@@ -1,34 +1,26 @@
-"""What a request asks its output to match: `ConstraintSpec`, its errors, and the tool-call format.
+"""What a request asks its output to match: `ConstraintSpec` and its errors.
 
-Tool calls (Gemma 3 has no tool tokens, so the format is ours):
-
-* ``tool_choice="required"`` or a named function: the whole output is exactly one compact JSON object
-  ``{"name":"<declared name>","arguments":{...}}`` whose arguments are valid under that function's
-  ``parameters`` schema. One call per turn (no parallel calls).
-* ``tool_choice="auto"``: either free text that does not start with `TOOL_CALL_MARKER`, or the marker
-  immediately followed by one such object, and then the end of the output.
-* ``tool_choice="none"`` (or no tools with "auto"): no constraint; `ConstraintSpec.tools` returns None.
+A tools spec describes the call format of `scheduler.tool_calls`: one call per turn, its arguments valid
+under the function's ``parameters``; with ``tool_choice="auto"`` the model may answer instead, in free text
+or, when the request also sets an answer format (``response_format``), in a document of that schema.
+``tool_choice="none"`` (or no tools with "auto") is no tools constraint: `ConstraintSpec.tools` returns None.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "TOOL_CALL_MARKER",
     "ConstraintSpec",
     "UnsupportedConstraintError",
     "canonical_json",
-    "parse_tool_calls",
     "regex_literal",
 ]
 
-TOOL_CALL_MARKER = "<tool_call>"
 KINDS = ("json_schema", "json_object", "regex", "choice", "tools")
 # OpenAI's rule for function names; it also keeps names safe to splice into grammar literals.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -128,12 +120,15 @@ class ConstraintSpec:
 
     @classmethod
     def tools(
-        cls, tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] = "auto"
+        cls, tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] = "auto",
+        answer: ConstraintSpec | None = None,
     ) -> ConstraintSpec | None:
         """OpenAI ``tools`` + ``tool_choice``; None when the output is unconstrained ("none", or "auto"
-        without tools). Descriptions do not shape the grammar and are dropped from the spec."""
+        without tools). Descriptions do not shape the grammar and are dropped from the spec. ``answer`` (a
+        json_schema or json_object spec): what an answer that is not a call must be, in "auto" mode (the
+        grammar admits exactly a call or such a document); None: free text."""
         if tool_choice == "none":
-            return None
+            return answer
         functions = _normalize_tools(tools or [])
         if isinstance(tool_choice, dict):
             name = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
@@ -149,9 +144,12 @@ class ConstraintSpec:
             raise UnsupportedConstraintError("tool_choice", f"unknown tool_choice {tool_choice!r}")
         if not functions:
             if mode == "auto":
-                return None
+                return answer
             raise UnsupportedConstraintError("tool_choice", "tool_choice 'required' without tools")
-        return cls("tools", canonical_json({"mode": mode, "functions": functions}))
+        payload: dict[str, Any] = {"mode": mode, "functions": functions}
+        if answer is not None and mode == "auto":
+            payload["answer"] = answer.schema
+        return cls("tools", canonical_json(payload))
 
     # ---- views ----------------------------------------------------------------------------------
 
@@ -177,6 +175,11 @@ class ConstraintSpec:
     def functions(self) -> list[dict[str, Any]]:
         """[{"name", "parameters"}] in declaration order."""
         return self._tools()["functions"]
+
+    @property
+    def answer_schema(self) -> Any:
+        """The schema an answer (not a call) must match in auto mode; None: free text."""
+        return self._tools().get("answer")
 
     def _tools(self) -> dict[str, Any]:
         if self.kind != "tools":
@@ -205,30 +208,3 @@ def _normalize_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise UnsupportedConstraintError("tools", f"parameters of {name!r} must be a JSON schema")
         out.append({"name": name, "parameters": params})
     return out
-
-
-def parse_tool_calls(text: str, spec: ConstraintSpec) -> list[dict[str, Any]] | None:
-    """The OpenAI ``tool_calls`` list for an output generated under a tools ``spec``, or None for a
-    plain text answer (auto mode). ValueError when the output is not a complete call (e.g. it was cut
-    short by max_tokens)."""
-    if spec.kind != "tools":
-        raise ValueError(f"not a tools constraint: {spec.kind}")
-    if spec.tool_mode == "auto":
-        if not text.startswith(TOOL_CALL_MARKER):
-            return None
-        text = text[len(TOOL_CALL_MARKER) :]
-    try:
-        call = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"incomplete or malformed tool call: {e}") from None
-    names = {f["name"] for f in spec.functions}
-    if not (isinstance(call, dict) and call.keys() == {"name", "arguments"} and call["name"] in names):
-        raise ValueError("the output is not a call of a declared function")
-    arguments = json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))
-    return [
-        {
-            "id": f"call_{secrets.token_hex(12)}",
-            "type": "function",
-            "function": {"name": call["name"], "arguments": arguments},
-        }
-    ]

@@ -20,117 +20,43 @@ import contextvars
 import json
 import logging
 import re
-import secrets
 import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, HTTPException, Path, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from agents.registry import AgentRegistry
 from agents.service import (
-    ChatParams,
     ChatService,
-    Generation,
     Runtime,
     SessionNotFoundError,
-    ToolCallFilter,
     build_runtime,
 )
 from agents.spec import AgentSpec
-from agents.store import AgentGoneError, SessionLimitError, Store, StoreUnavailableError, open_store
-from scheduler.grammar_spec import GrammarBusyError
-from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
-from server import idempotency
+from agents.store import Store, StoreUnavailableError, open_store
 from server.auth import Auth
 from server.config import ServerConfig
 from server.errors import APIError, error_body, install_error_handlers
 from server.metrics import CONTENT_TYPE, Metrics
-from server.schemas import ChatCompletionRequest, CompletionRequest, request_problem
-from server.streaming import DONE, MEDIA_TYPE, SSE_HEADERS, sse
+from server.openai_api import router as openai_router
+from server.state import RuntimeFactory, ServerState, agent_for, state_of
 
 log = logging.getLogger("slotserve.server")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 AgentName = Annotated[str, Path(examples=["assistant"], description="the agent's name")]
 SessionId = Annotated[str, Path(examples=["session-1"], description="a session id (namespaced per agent)")]
-RuntimeFactory = Callable[[Callable[[str], None]], Runtime]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 
 
 # --------------------------------------------------------------------------------------------------
 # state
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ServerState:
-    config: ServerConfig
-    factory: RuntimeFactory
-    own_runtime: bool
-    auth: Auth
-    metrics: Metrics | None = None
-    store: Store | None = None
-    registry: AgentRegistry | None = None
-    runtime: Runtime | None = None
-    service: ChatService | None = None
-    status: str = "starting"
-    load_error: str | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-    shutting_down: bool = False
-    live: set[Generation] = field(default_factory=set)  # in-flight generations (for graceful shutdown)
-    background: set[asyncio.Task] = field(default_factory=set)  # commits that outlive their request
-    # Called once if the engine loop dies (`slotserve serve` makes the process exit non-zero, so that a
-    # supervisor restarts it); None: the app stays up and answers 503 with the reason.
-    on_engine_failure: Callable[[str], None] | None = None
-
-    @property
-    def engine_failure(self) -> str | None:
-        """Why the engine loop died, once it has."""
-        return self.runtime.scheduler.failure if self.runtime is not None else None
-
-    def engine_died(self, reason: str) -> None:
-        log.error("the engine loop died; refusing every request from now on",
-                  extra={"event": {"reason": reason, "in_flight": len(self.live)}})
-        if self.on_engine_failure is not None:
-            self.on_engine_failure(reason)
-
-    def begin_shutdown(self, grace_s: float) -> None:
-        """Refuse new generations now; end the ones still running after ``grace_s`` (their streams get a
-        final error event instead of being cut off when the server's own drain timeout expires)."""
-        if self.shutting_down:
-            return
-        self.shutting_down = True
-        log.info("shutting down", extra={"event": {"in_flight": len(self.live), "grace_s": grace_s}})
-
-        def end_all() -> None:
-            for gen in list(self.live):
-                gen.cancel()
-
-        timer = threading.Timer(grace_s, end_all)
-        timer.daemon = True
-        timer.start()
-
-    def require_ready(self) -> ChatService:
-        if self.engine_failure is not None:
-            raise APIError(503, f"the engine loop died ({self.engine_failure}); the server must be restarted",
-                           code="engine_failed")
-        if self.shutting_down:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        if not self.ready.is_set() or self.service is None:
-            detail = f"model failed to load: {self.load_error}" if self.load_error else f"loading: {self.status}"
-            raise APIError(503, f"the model is not ready ({detail})", code="model_not_ready",
-                           headers={"Retry-After": "5"})
-        return self.service
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.slotserve
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,6 +203,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestContext, max_body_bytes=config.limits.max_body_bytes)
     _add_routes(app)
+    app.include_router(openai_router)
     return app
 
 
@@ -330,17 +257,24 @@ def _load(state: ServerState) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def _engine_failed(reason: str) -> JSONResponse:
+    body = error_body(f"the engine loop died ({reason}); the server must be restarted", "service_unavailable",
+                      None, "engine_failed")
+    body["status"] = "failed"
+    return JSONResponse(body, status_code=503)
+
+
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health", tags=["operations"])
     async def health(request: Request) -> JSONResponse:
-        failure = _state(request).engine_failure
+        failure = state_of(request).engine_failure
         if failure is not None:
             return _engine_failed(failure)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready", tags=["operations"])
     async def ready(request: Request) -> JSONResponse:
-        state = _state(request)
+        state = state_of(request)
         if state.engine_failure is not None:
             return _engine_failed(state.engine_failure)
         try:
@@ -359,64 +293,15 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:
-        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
-
-    # ---- OpenAI: /v1 (model = agent) and /agents/{agent}/v1 ---------------------------------------
-
-    @app.get("/v1/models", tags=["openai"])
-    async def list_models(request: Request) -> dict[str, Any]:
-        state = _state(request)
-        state.auth.require_key_if_enabled(request)
-        agents = [a for a in await state.registry.list() if state.auth.may_use(request, a)]
-        return {"object": "list", "data": [_model_card(a) for a in agents]}
-
-    @app.get("/v1/models/{model}", tags=["openai"])
-    async def get_model(request: Request, model: str) -> dict[str, Any]:
-        agent = await _agent(request, model)
-        return _model_card(agent)
-
-    async def _agent_of(request: Request, model: str | None) -> Any:
-        """On /v1 the `model` field names the agent."""
-        if not model:
-            raise APIError(400, "model is required: the name of an agent (see GET /v1/models)", param="model",
-                           code="missing_required_parameter")
-        return await _agent(request, model)
-
-    @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat(request: Request, body: ChatCompletionRequest) -> Response:
-        return await _chat(request, await _agent_of(request, body.model), body)
-
-    @app.post("/v1/completions", tags=["openai"])
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await _complete(request, await _agent_of(request, body.model), body)
-
-    @app.get("/agents/{agent}/v1/models", tags=["agents"])
-    async def agent_models(request: Request, agent: AgentName) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(await _agent(request, agent))]}
-
-    @app.get("/agents/{agent}/v1/models/{model}", tags=["agents"])
-    async def agent_model(request: Request, agent: AgentName, model: str) -> dict[str, Any]:
-        spec = await _agent(request, agent)
-        if model != spec.name:
-            raise APIError(404, f"this endpoint serves agent {spec.name!r} only", param="model",
-                           code="model_not_found")
-        return _model_card(spec)
-
-    @app.post("/agents/{agent}/v1/chat/completions", tags=["agents"])
-    async def agent_chat(request: Request, agent: AgentName, body: ChatCompletionRequest) -> Response:
-        return await _chat(request, await _agent(request, agent), body)
-
-    @app.post("/agents/{agent}/v1/completions", tags=["agents"])
-    async def agent_completions(request: Request, agent: AgentName, body: CompletionRequest) -> Response:
-        return await _complete(request, await _agent(request, agent), body)
+        return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
     # ---- sessions --------------------------------------------------------------------------------
 
     @app.get("/agents/{agent}/v1/sessions", tags=["sessions"])
     async def list_sessions(request: Request, agent: AgentName) -> dict[str, Any]:
-        spec = await _agent(request, agent)
-        caller = _state(request).auth.session_caller(request)
-        infos = await _state(request).store.list_sessions(spec.name)
+        spec = await agent_for(request, agent)
+        caller = state_of(request).auth.session_caller(request)
+        infos = await state_of(request).store.list_sessions(spec.name)
         return {"object": "list", "data": [
             {"id": i.id, "object": "session", "agent": i.agent, "created": i.created, "updated": i.updated,
              "expires_at": i.expires_at, "message_count": i.message_count}
@@ -424,16 +309,16 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/agents/{agent}/v1/sessions/{session_id}", tags=["sessions"])
     async def get_session(request: Request, agent: AgentName, session_id: SessionId) -> dict[str, Any]:
-        spec = await _agent(request, agent)
+        spec = await agent_for(request, agent)
         session = await _visible_session(request, spec, session_id)
         return {"id": session.id, "object": "session", "agent": session.agent, "created": session.created,
                 "updated": session.updated, "expires_at": session.expires_at, "messages": session.messages}
 
     @app.delete("/agents/{agent}/v1/sessions/{session_id}", tags=["sessions"])
     async def delete_session(request: Request, agent: AgentName, session_id: SessionId) -> dict[str, Any]:
-        spec = await _agent(request, agent)
+        spec = await agent_for(request, agent)
         await _visible_session(request, spec, session_id)
-        if not await _state(request).store.delete_session(spec.name, session_id):
+        if not await state_of(request).store.delete_session(spec.name, session_id):
             raise SessionNotFoundError(spec.name, session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
@@ -441,25 +326,25 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/admin/agents", status_code=201, tags=["admin"])
     async def create_agent(request: Request, spec: AgentSpec) -> dict[str, Any]:
-        state = _state(request)
+        state = state_of(request)
         state.auth.require_admin(request)
         return _admin_view(state, await state.registry.create(spec))
 
     @app.get("/admin/agents", tags=["admin"])
     async def admin_list(request: Request) -> dict[str, Any]:
-        state = _state(request)
+        state = state_of(request)
         state.auth.require_admin(request)
         return {"object": "list", "data": [_admin_view(state, a) for a in await state.registry.list()]}
 
     @app.get("/admin/agents/{name}", tags=["admin"])
     async def admin_get(request: Request, name: str) -> dict[str, Any]:
-        state = _state(request)
+        state = state_of(request)
         state.auth.require_admin(request)
         return _admin_view(state, await state.registry.get(name))
 
     @app.put("/admin/agents/{name}", tags=["admin"])
     async def admin_put(request: Request, name: str, spec: AgentSpec) -> dict[str, Any]:
-        state = _state(request)
+        state = state_of(request)
         state.auth.require_admin(request)
         if spec.name != name:
             raise APIError(400, f"the body's name {spec.name!r} differs from the URL's {name!r}", param="name",
@@ -468,21 +353,16 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.patch("/admin/agents/{name}", tags=["admin"])
     async def admin_patch(request: Request, name: str, changes: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
-        state = _state(request)
+        state = state_of(request)
         state.auth.require_admin(request)
         return _admin_view(state, await state.registry.patch(name, changes))
 
     @app.delete("/admin/agents/{name}", tags=["admin"])
     async def admin_delete(request: Request, name: str) -> dict[str, Any]:
-        state = _state(request)
+        state = state_of(request)
         state.auth.require_admin(request)
         await state.registry.delete(name)
         return {"id": name, "object": "agent.deleted", "deleted": True}
-
-
-def _model_card(agent: AgentSpec) -> dict[str, Any]:
-    return {"id": agent.name, "object": "model", "created": 0, "owned_by": "slotserve",
-            "description": agent.description}
 
 
 def _admin_view(state: ServerState, agent: AgentSpec) -> dict[str, Any]:
@@ -491,462 +371,10 @@ def _admin_view(state: ServerState, agent: AgentSpec) -> dict[str, Any]:
     return view
 
 
-async def _agent(request: Request, name: str) -> AgentSpec:
-    """The agent, after authentication: missing key 401 (auth on), unknown 404, wrong key 403."""
-    state = _state(request)
-    state.auth.require_key_if_enabled(request)
-    agent = await state.registry.get(name)
-    state.auth.require_agent(request, agent)
-    return agent
-
-
-def _check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    problem = request_problem(body)
-    if problem is not None:
-        param, message, code = problem
-        raise APIError(400, message, param=param, code=code)
-
-
 async def _visible_session(request: Request, spec: AgentSpec, session_id: str) -> Any:
     """The session if it exists and the caller may see it (its creator's key, or an admin key), else 404."""
-    session = await _state(request).store.get_session(spec.name, session_id)
-    caller = _state(request).auth.session_caller(request)
+    session = await state_of(request).store.get_session(spec.name, session_id)
+    caller = state_of(request).auth.session_caller(request)
     if session is None or (caller is not None and not caller.may_see(session)):
         raise SessionNotFoundError(spec.name, session_id)
     return session
-
-
-NEW_SESSION = "new"  # X-Session-Id / session_id value asking the server to choose an unguessable id
-
-
-def _session_id(request: Request, body: ChatCompletionRequest) -> str | None:
-    """The request's session id; "new" makes one up (returned in the X-Session-Id response header)."""
-    header = request.headers.get("x-session-id")
-    if header and body.session_id and header != body.session_id:
-        raise APIError(400, "X-Session-Id and session_id differ", param="session_id", code="invalid_value")
-    sid = header or body.session_id
-    return f"sess-{secrets.token_hex(16)}" if sid == NEW_SESSION else sid
-
-
-def _usage(fin: FinishEvent) -> dict[str, Any]:
-    u = fin.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-class _Tracker:
-    """Per-request metrics: TTFT, inter-token latency, tokens, finish reasons."""
-
-    def __init__(self, state: ServerState, agent: str, endpoint: str) -> None:
-        self.m = state.metrics
-        self.agent = agent
-        self.endpoint = endpoint
-        self.begin = time.perf_counter()
-        self.last: float | None = None
-        self.user: str | None = None  # the request's `user` (logged, for abuse tracing)
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        if self.last is None:
-            self.m.ttft.labels(self.agent).observe(now - self.begin)
-        else:
-            self.m.inter_token.labels(self.agent).observe(now - self.last)
-        self.last = now
-
-    def done(self, fin: FinishEvent | None, status: int, finish_reason: str | None = None) -> None:
-        self.m.requests.labels(self.agent, self.endpoint, str(status)).inc()
-        if fin is None:
-            return
-        u = fin.usage
-        self.m.prompt_tokens.labels(self.agent).inc(u.prompt_tokens)
-        self.m.cached_tokens.labels(self.agent).inc(u.cached_tokens)
-        self.m.completion_tokens.labels(self.agent).inc(u.completion_tokens)
-        self.m.duration.labels(self.agent).observe(time.perf_counter() - self.begin)
-        self.m.finished.labels(self.agent, finish_reason or str(fin.reason)).inc()
-        log.info("generation", extra={"event": {
-            "agent": self.agent, "endpoint": self.endpoint, "finish_reason": finish_reason or str(fin.reason),
-            "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
-            "completion_tokens": u.completion_tokens, "user": self.user,
-            **{k: round(v, 4) for k, v in fin.timings.items()}}})
-
-
-def _token_text(state: ServerState, token_id: int) -> tuple[str, list[int]]:
-    raw = state.runtime.tokenizer.token_bytes(token_id)
-    return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def _chat_logprob(state: ServerState, ev: TokenEvent) -> dict[str, Any]:
-    text, raw = _token_text(state, ev.token_id)
-    tops = []
-    for tid, lp in ev.top_logprobs or []:
-        t, b = _token_text(state, tid)
-        tops.append({"token": t, "logprob": lp, "bytes": b})
-    return {"token": text, "logprob": ev.logprob, "bytes": raw, "top_logprobs": tops}
-
-
-async def _watch_disconnect(request: Request, gen: Generation) -> None:
-    """Non-streaming requests: cancel the generation when the client goes away."""
-    while True:
-        if await request.is_disconnected():
-            gen.cancel()
-            return
-        await asyncio.sleep(0.1)
-
-
-async def _collect(request: Request, gen: Generation, tracker: _Tracker) -> tuple[list[TokenEvent], str, FinishEvent]:
-    events: list[TokenEvent] = []
-    parts: list[str] = []
-    watcher = asyncio.create_task(_watch_disconnect(request, gen))
-    try:
-        async for ev in gen.handle:
-            if isinstance(ev, TokenEvent):
-                tracker.token()
-                events.append(ev)
-                parts.append(ev.text)
-            else:
-                parts.append(ev.text)
-                return events, "".join(parts), ev
-    finally:
-        watcher.cancel()
-        _state(request).live.discard(gen)
-        if gen.handle.finished is None:
-            gen.cancel()
-    raise RuntimeError("the event stream ended without a finish event")
-
-
-CLIENT_CLOSED = 499  # the status metrics and logs give a request whose client went away (nginx's convention)
-
-
-def _in_background(state: ServerState, work: Any) -> asyncio.Task:
-    """Run ``work`` (a coroutine) to its end even if the request that started it is cancelled."""
-    task = asyncio.ensure_future(work)
-    state.background.add(task)
-    task.add_done_callback(state.background.discard)
-    return task
-
-
-def _engine_failed(reason: str) -> JSONResponse:
-    body = error_body(f"the engine loop died ({reason}); the server must be restarted", "service_unavailable",
-                      None, "engine_failed")
-    body["status"] = "failed"
-    return JSONResponse(body, status_code=503)
-
-
-def _generation_failed(fin: FinishEvent, state: ServerState) -> APIError:
-    if state.engine_failure is not None:
-        return APIError(503, f"generation ended: the engine loop died ({state.engine_failure})",
-                        code="engine_failed")
-    if fin.reason is FinishReason.CANCELLED and not state.shutting_down:
-        # Only the client cancels outside a shutdown (it went away): recorded as nginx's 499, not a 503.
-        return APIError(CLIENT_CLOSED, "the client closed the request", code="client_closed_request")
-    if fin.reason is FinishReason.CANCELLED:
-        return APIError(503, f"generation ended early: {fin.error or 'the server is shutting down'}",
-                        code="shutting_down")
-    return APIError(500, f"generation failed: {fin.error}", code="generation_error")
-
-
-def _chat_params(body: ChatCompletionRequest, session_id: str | None, caller: Any = None) -> ChatParams:
-    rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
-    tool_choice = body.tool_choice
-    if tool_choice is not None and not isinstance(tool_choice, str):
-        tool_choice = tool_choice.model_dump()
-    return ChatParams(
-        messages=[m.model_dump(exclude_none=True, exclude={"refusal", "audio", "function_call", "annotations"})
-                  for m in body.messages],
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty, seed=body.seed, stop=body.stop_list(), logit_bias=body.bias(),
-        logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, response_format=rf,
-        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None,
-        tool_choice=tool_choice, ignore_eos=bool(body.ignore_eos), session_id=session_id, user=body.user,
-        cache_salt=body.cache_salt, caller=caller, truncation=body.truncation,
-    )
-
-
-async def _submit(state: Any, service: Any, agent: Any, params: Any, tracker: Any) -> Any:
-    """Submit a generation, counting a refusal under its own HTTP status in the metrics."""
-    try:
-        gen = await service.submit(agent, params)
-    except Exception as exc:
-        overloaded = isinstance(exc, QueueFullError | SessionLimitError | GrammarBusyError)
-        tracker.done(None, 429 if overloaded else getattr(exc, "status", 400))
-        raise
-    state.live.add(gen)
-    return gen
-
-
-async def _chat(request: Request, agent: AgentSpec, body: ChatCompletionRequest) -> Response:
-    state = _state(request)
-    service = state.require_ready()
-    _check_supported(body)
-    caller = state.auth.session_caller(request)
-    idem = None
-    if (key := request.headers.get(idempotency.HEADER)) is not None:
-        scope = f"{agent.name}\0{caller.owner if caller is not None and caller.owner else ''}"
-        idem = idempotency.IdempotentRequest(state.store, scope, key, wait_s=IDEMPOTENT_WAIT_S,
-                                             lease_s=state.config.store.lease_s)
-        answer = await idem.start()
-        if answer is not None:
-            return _replay(answer, body)
-    try:
-        return await _chat_turn(request, state, service, agent, body, caller, idem)
-    except BaseException:
-        if idem is not None:
-            _in_background(state, idem.abandon())
-        raise
-
-
-IDEMPOTENT_WAIT_S = 300.0  # how long a retry waits for the first request with its Idempotency-Key
-
-
-async def _chat_turn(request: Request, state: ServerState, service: ChatService, agent: AgentSpec,
-                     body: ChatCompletionRequest, caller: Any, idem: idempotency.IdempotentRequest | None) -> Response:
-    params = _chat_params(body, _session_id(request, body), caller)
-    tracker = _Tracker(state, agent.name, "chat")
-    tracker.user = body.user
-    gen = await _submit(state, service, agent, params, tracker)
-    cid = f"chatcmpl-{secrets.token_hex(12)}"
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(state, gen, tracker, cid, include_usage, bool(body.logprobs), idem),
-                                 media_type=MEDIA_TYPE, headers={**SSE_HEADERS, **_session_header(gen)})
-    try:
-        events, text, fin = await _collect(request, gen, tracker)
-        if fin.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-            error = _generation_failed(fin, state)
-            tracker.done(fin, error.status)
-            raise error
-        outcome = service.finish(gen, text, fin.reason)
-        # Generation finished: the turn is committed even if the client is gone by now.
-        await asyncio.shield(_in_background(state, service.commit(gen, outcome)))
-    finally:
-        if gen.claim is not None:  # the turn ended without a commit: free the session
-            _in_background(state, service.release(gen))
-    tracker.done(fin, 200, outcome.finish_reason)
-    lp = [_chat_logprob(state, ev) for ev in events] if body.logprobs else None
-    answer = _chat_body(state, gen, cid, outcome, fin, lp)
-    if idem is not None:
-        await asyncio.shield(_in_background(state, idem.finish(answer)))
-    return JSONResponse(answer, headers=_session_header(gen))
-
-
-def _chat_body(state: ServerState, gen: Generation, cid: str, outcome: Any, fin: FinishEvent,
-               logprobs: list | None = None) -> dict[str, Any]:
-    """A finished chat completion as the non-streaming API returns it (and idempotent retries replay it)."""
-    choice: dict[str, Any] = {"index": 0, "message": {**outcome.message(), "refusal": None},
-                              "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
-                              "finish_reason": outcome.finish_reason}
-    body = {"id": cid, "object": "chat.completion", "created": gen.created, "model": gen.agent.name,
-            "system_fingerprint": _fingerprint(state), "choices": [choice], "usage": _usage(fin)}
-    if gen.session_id:
-        body["session_id"] = gen.session_id
-    return body
-
-
-def _replay(answer: dict[str, Any], body: ChatCompletionRequest) -> Response:
-    """The first answer to this Idempotency-Key, in the shape this retry asked for."""
-    headers = {"Idempotent-Replayed": "true"}
-    if answer.get("session_id"):
-        headers["X-Session-Id"] = answer["session_id"]
-    if not body.stream:
-        return JSONResponse(answer, headers=headers)
-    base = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint")}
-    base["object"] = "chat.completion.chunk"
-    message, finish = answer["choices"][0]["message"], answer["choices"][0]["finish_reason"]
-    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-    if message.get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-    chunks = [sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}),
-              sse({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]})]
-    if body.stream_options and body.stream_options.include_usage:
-        chunks.append(sse({**base, "choices": [], "usage": answer["usage"]}))
-    chunks.append(DONE)
-
-    async def replay() -> AsyncIterator[bytes]:
-        for chunk in chunks:
-            yield chunk
-
-    return StreamingResponse(replay(), media_type=MEDIA_TYPE, headers={**SSE_HEADERS, **headers})
-
-
-def _session_header(gen: Generation) -> dict[str, str]:
-    """The session a turn belongs to (the id the server chose, for X-Session-Id: new)."""
-    return {"X-Session-Id": gen.session_id} if gen.session_id else {}
-
-
-def _fingerprint(state: ServerState) -> str:
-    rt = state.runtime
-    return f"slotserve-{rt.dtype}-{rt.precision}-{rt.kv_dtype}" if rt is not None else "slotserve"
-
-
-async def _chat_stream(state: ServerState, gen: Generation, tracker: _Tracker, cid: str, include_usage: bool,
-                       logprobs: bool, idem: idempotency.IdempotentRequest | None = None) -> AsyncIterator[bytes]:
-    service = state.service
-    base = {"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": gen.agent.name,
-            "system_fingerprint": _fingerprint(state)}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, lp: list | None = None) -> bytes:
-        out = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": {"content": lp, "refusal": None}
-                                    if lp is not None else None, "finish_reason": finish}]}
-        if include_usage:
-            out["usage"] = None
-        return sse(out)
-
-    filt = ToolCallFilter(gen.tool_mode)
-    parts: list[str] = []
-    status = 200
-    fin: FinishEvent | None = None
-    commit: asyncio.Task | None = None
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for ev in gen.handle:
-            if isinstance(ev, TokenEvent):
-                tracker.token()
-                parts.append(ev.text)
-                out = filt.push(ev.text)
-                lp = [_chat_logprob(state, ev)] if logprobs else None
-                if out or lp:
-                    yield chunk({"content": out}, lp=lp)
-                continue
-            fin = ev
-            parts.append(ev.text)
-            tail = filt.push(ev.text)
-            if ev.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-                error = _generation_failed(ev, state)
-                status = error.status
-                yield sse(error.body())
-                return
-            outcome = service.finish(gen, "".join(parts), ev.reason)
-            if outcome.tool_calls:
-                calls = [{"index": i, **call} for i, call in enumerate(outcome.tool_calls)]
-                yield chunk({"tool_calls": calls})
-            else:
-                rest = tail if filt.released else filt.held
-                if rest:
-                    yield chunk({"content": rest})
-            # Generation finished: the turn is committed whether or not the client stays for the finish chunk,
-            # and before [DONE], so a client that saw DONE sees the turn.
-            commit = _in_background(state, service.commit(gen, outcome))
-            yield chunk({}, outcome.finish_reason)
-            try:
-                await asyncio.shield(commit)
-            except Exception as e:  # noqa: BLE001 - reported in the stream; the response has started
-                status = 429 if isinstance(e, SessionLimitError) else 404 if isinstance(e, AgentGoneError) else 500
-                yield sse(error_body(f"the session turn was not stored: {e}", "server_error", "session_id",
-                                     "session_commit_failed"))
-                return
-            if idem is not None:
-                await asyncio.shield(_in_background(state, idem.finish(_chat_body(state, gen, cid, outcome, ev))))
-                idem = None
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": _usage(ev)})
-            yield DONE
-            tracker.done(ev, status, outcome.finish_reason)
-            return
-    finally:
-        state.live.discard(gen)
-        if gen.handle.finished is None:  # client went away (or shutdown): free the slot now
-            gen.cancel()
-            tracker.done(None, CLIENT_CLOSED)
-        elif status != 200:
-            tracker.done(fin, status)
-        if gen.claim is not None and commit is None:  # the turn ended without a commit: free the session
-            _in_background(state, service.release(gen))
-        if idem is not None:  # no answer recorded: a retry runs the request again
-            _in_background(state, idem.abandon())
-
-
-def _completion_params(body: CompletionRequest) -> ChatParams:
-    rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
-    return ChatParams(
-        prompt=body.prompt, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, seed=body.seed,
-        stop=body.stop_list(), logit_bias=body.bias(), logprobs=body.logprobs is not None,
-        top_logprobs=body.logprobs or 0, response_format=rf, tools=None, tool_choice="none",
-        ignore_eos=bool(body.ignore_eos), user=body.user, cache_salt=body.cache_salt,
-    )
-
-
-def _legacy_logprobs(state: ServerState, events: list[TokenEvent], offset: int = 0) -> dict[str, Any]:
-    tokens, lps, tops, offsets = [], [], [], []
-    pos = offset
-    for ev in events:
-        text, _ = _token_text(state, ev.token_id)
-        tokens.append(text)
-        lps.append(ev.logprob)
-        tops.append({_token_text(state, t)[0]: lp for t, lp in ev.top_logprobs or []})
-        offsets.append(pos)
-        pos += len(ev.text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-async def _complete(request: Request, agent: AgentSpec, body: CompletionRequest) -> Response:
-    state = _state(request)
-    service = state.require_ready()
-    _check_supported(body)
-    tracker = _Tracker(state, agent.name, "completions")
-    tracker.user = body.user
-    params = _completion_params(body)
-    gen = await _submit(state, service, agent, params, tracker)
-    cid = f"cmpl-{secrets.token_hex(12)}"
-    base = {"id": cid, "object": "text_completion", "created": gen.created, "model": agent.name,
-            "system_fingerprint": _fingerprint(state)}
-    want_lp = body.logprobs is not None
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(state, gen, tracker, base, include_usage, want_lp),
-                                 media_type=MEDIA_TYPE, headers=SSE_HEADERS)
-    events, text, fin = await _collect(request, gen, tracker)
-    if fin.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-        error = _generation_failed(fin, state)
-        tracker.done(fin, error.status)
-        raise error
-    finish = str(fin.reason)
-    tracker.done(fin, 200, finish)
-    return JSONResponse({**base, "choices": [{
-        "text": text, "index": 0, "logprobs": _legacy_logprobs(state, events) if want_lp else None,
-        "finish_reason": finish}], "usage": _usage(fin)})
-
-
-async def _completion_stream(state: ServerState, gen: Generation, tracker: _Tracker, base: dict[str, Any],
-                             include_usage: bool, want_lp: bool) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None = None, lp: dict | None = None) -> bytes:
-        out = {**base, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
-        if include_usage:
-            out["usage"] = None
-        return sse(out)
-
-    status = 200
-    fin: FinishEvent | None = None
-    offset = 0
-    try:
-        async for ev in gen.handle:
-            if isinstance(ev, TokenEvent):
-                tracker.token()
-                lp = _legacy_logprobs(state, [ev], offset) if want_lp else None
-                offset += len(ev.text)
-                if ev.text or lp:
-                    yield chunk(ev.text, lp=lp)
-                continue
-            fin = ev
-            if ev.reason not in (FinishReason.STOP, FinishReason.LENGTH):
-                error = _generation_failed(ev, state)
-                status = error.status
-                yield sse(error.body())
-                return
-            yield chunk(ev.text, str(ev.reason))
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": _usage(ev)})
-            yield DONE
-            tracker.done(ev, 200, str(ev.reason))
-            return
-    finally:
-        state.live.discard(gen)
-        if gen.handle.finished is None:
-            gen.cancel()
-            tracker.done(None, CLIENT_CLOSED)
-        elif status != 200:
-            tracker.done(fin, status)

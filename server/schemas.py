@@ -187,6 +187,14 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted; at most one call is made per turn")
     modalities: list[Literal["text"]] | None = None
+    # Sent by frameworks and proxies; none changes what is generated here, so each is accepted as a no-op.
+    store: bool | None = Field(None, description="no-op: chat completions are not stored (sessions are: "
+                                                 "X-Session-Id)")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="no-op: accepted, not stored")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="no-op: one tier")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="no-op: the served models do not reason before answering")
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, examples=["session-1"],
                                    description="extension (or X-Session-Id)")
     truncation: Literal["auto", "disabled"] | None = Field(

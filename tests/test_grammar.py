@@ -15,15 +15,14 @@ import pytest
 from pydantic import BaseModel
 
 from scheduler.grammar import (
-    TOOL_CALL_MARKER,
     CompiledGrammar,
     ConstraintSpec,
     GrammarCompiler,
     UnsupportedConstraintError,
     fill_masks,
     llguidance_tokenizer,
-    parse_tool_calls,
 )
+from scheduler.tool_calls import TOOL_CALL_MARKER, parse_tool_calls
 
 WEATHER = {
     "type": "function",
@@ -460,6 +459,22 @@ def test_tool_choice_auto(compiler, tokenizer):
     assert not allowed[sorted(tokenizer.special_ids - tokenizer.stop_ids)].any()
 
 
+TEMPERATURE = {"type": "object", "properties": {"temp": {"type": "integer"}}, "required": ["temp"],
+               "additionalProperties": False}
+
+
+def test_tools_with_an_answer_format_admit_a_call_or_a_document_and_nothing_else(compiler, tokenizer):
+    spec = ConstraintSpec.tools([WEATHER, ADD], "auto", answer=ConstraintSpec.json_schema(TEMPERATURE))
+    call = TOOL_CALL_MARKER + call_text("get_weather", {"city": "Paris"})
+    assert accepts(compiler, tokenizer, spec, '{"temp":21}')
+    assert accepts(compiler, tokenizer, spec, call)
+    assert not accepts(compiler, tokenizer, spec, "The weather is fine")  # no free text: a typed answer
+    assert not accepts(compiler, tokenizer, spec, '{"temp":"warm"}')
+    assert not accepts(compiler, tokenizer, spec, '{"temp":21}' + TOOL_CALL_MARKER)
+    assert parse_tool_calls('{"temp":21}', spec) is None
+    assert parse_tool_calls(call, spec)[0]["function"]["name"] == "get_weather"
+
+
 # --------------------------------------------------------------------------------------------------
 # batched masks
 # --------------------------------------------------------------------------------------------------
@@ -538,6 +553,8 @@ def test_outlines_core_backend_agrees_with_llguidance(tokenizer, compiler):
             ): ['{"a":12}', '{"a":-3,"b":true}', '{"a":1.5}', '{"b":true}', '{"a": 1}', '{"a":1,"c":2}', '{"a":1'],
             ConstraintSpec.choice(["café", "日本"]): ["café", "日本", "cafe", "日", ""],
             ConstraintSpec.regex("[a-c]{2}x"): ["abx", "ccx", "ab", "abxx", "adx"],
+            ConstraintSpec.tools([ADD], "auto", answer=ConstraintSpec.json_schema(TEMPERATURE)): [
+                '{"temp":3}', TOOL_CALL_MARKER + call_text("add", {"a": 1, "b": 2}), "hello", '{"temp":3}x'],
         }  # fmt: skip
         for spec, texts in cases.items():
             start = time.perf_counter()

@@ -17,10 +17,11 @@ import pytest
 from pydantic import BaseModel, Field
 from test_server_helpers import LiveServer, server_config, tiny_runtime, wait_until
 
-from agents.service import ChatService, ToolCallFilter
+from agents.service import ChatService
 from agents.spec import AgentSpec
-from scheduler.grammar_spec import TOOL_CALL_MARKER, ConstraintSpec
+from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import FinishReason
+from scheduler.tool_calls import TOOL_CALL_MARKER
 from server.app import create_app
 
 WEATHER_PARAMS = {
@@ -168,9 +169,14 @@ def test_tool_call_streamed_and_auto(client):
                                                  tool_choice="required", max_tokens=40, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(d.content or "" for d in deltas)
-    json.loads(calls[0].function.arguments)
+    # The call's id and name come first, then its arguments in several deltas as they are generated.
+    assert calls[0].id.startswith("call_") and calls[0].function.name in {"get_weather", "get_time"}
+    assert all(c.index == 0 and c.id is None for c in calls[1:])
+    pieces = [c.function.arguments for c in calls[1:]]
+    assert len(pieces) >= 2 and all(pieces)
+    json.loads("".join(pieces))
     # auto: either plain text that does not start with the marker, or one valid call
     r = client.chat.completions.create(model="assistant", messages=USER, tools=TOOLS, tool_choice="auto",
                                        max_tokens=12)
@@ -187,13 +193,15 @@ def test_agent_tools_and_response_format_apply(server):
     r = c.chat.completions.create(model="weather", messages=USER, tool_choice="required", max_tokens=40)
     choice = r.choices[0]
     if choice.finish_reason == "length":  # random weights: the free-text city may run past max_tokens
-        assert choice.message.content.startswith('{"name":"get_weather","arguments":{')
+        # a call cut short is still reported as the call it was becoming, never as content
+        assert choice.message.content is None and choice.message.tool_calls[0].function.name == "get_weather"
+        assert choice.message.tool_calls[0].function.arguments.startswith("{")
     else:
         assert choice.finish_reason == "tool_calls"
         assert choice.message.tool_calls[0].function.name == "get_weather"
 
 
-def test_tool_call_parsing_and_stream_filter():
+def test_tool_calls_parsed_whole_or_cut_short():
     spec = ConstraintSpec.tools(TOOLS, "auto")
     gen = type("G", (), {"tool_mode": "auto", "spec": spec})()
     text = TOOL_CALL_MARKER + '{"name":"get_time","arguments":{"zone":"UTC"}}'
@@ -201,10 +209,9 @@ def test_tool_call_parsing_and_stream_filter():
     assert out.finish_reason == "tool_calls" and out.tool_calls[0]["function"]["arguments"] == '{"zone":"UTC"}'
     plain = ChatService.finish(None, gen, "<to be or not", FinishReason.STOP)
     assert plain.content == "<to be or not" and plain.finish_reason == "stop"
-    f = ToolCallFilter("auto")
-    assert f.push("<to") == "" and f.push("ol") == "" and f.push("_call>{") == "" and not f.released
-    g = ToolCallFilter("auto")
-    assert g.push("<to") == "" and g.push("mato") == "<tomato" and g.push("!") == "!"
+    cut = ChatService.finish(None, gen, TOOL_CALL_MARKER + '{"name":"get_time","arguments":{"zo', FinishReason.LENGTH)
+    assert cut.content is None and cut.finish_reason == "length"
+    assert cut.tool_calls[0]["function"] == {"name": "get_time", "arguments": '{"zo'}
 
 
 # ---- per-agent base URLs and sessions ----------------------------------------------------------------------
@@ -323,6 +330,48 @@ def test_unknown_agent_is_404(server, client):
 def test_unsupported_or_invalid_parameters_are_400_naming_them(server, extra, param):
     body = _error(post(server, "/v1/chat/completions", {"model": "assistant", "messages": USER, **extra}), 400)
     assert body["param"] == param and param.split(".")[0].split("[")[0] in body["message"]
+
+
+def test_what_frameworks_send_is_accepted_as_documented_no_ops(client):
+    plain = client.chat.completions.create(model="assistant", messages=USER, max_tokens=4, temperature=0)
+    extras = client.chat.completions.create(
+        model="assistant", messages=USER, max_tokens=4, temperature=0, store=False, metadata={"run": "7"},
+        service_tier="auto", reasoning_effort="low", parallel_tool_calls=False)
+    assert extras.choices[0].message.content == plain.choices[0].message.content  # no effect on output
+
+
+def test_unknown_values_of_those_fields_are_still_400(server):
+    body = _error(post(server, "/v1/chat/completions", {"model": "assistant", "messages": USER,
+                                                       "reasoning_effort": "extreme"}), 400)
+    assert body["param"] == "reasoning_effort"
+
+
+def test_tools_with_a_response_format_answer_with_a_call_or_a_document_of_the_schema(client):
+    schema = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 12}},
+              "required": ["summary"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "report", "schema": schema}}
+    kinds = set()
+    for seed in range(6):
+        r = client.chat.completions.create(model="assistant", messages=USER, tools=TOOLS, response_format=rf,
+                                           max_tokens=40, temperature=1.0, seed=seed)
+        msg, finish = r.choices[0].message, r.choices[0].finish_reason
+        if msg.tool_calls:
+            kinds.add("call")
+            assert msg.content is None and msg.tool_calls[0].function.name in {"get_weather", "get_time"}
+        elif finish == "stop":
+            kinds.add("answer")
+            jsonschema.validate(json.loads(msg.content), schema)
+    assert kinds  # each finished request was one of the two, never free text
+    # After a tool result, the same request shape finishes with a typed answer once calls are off.
+    r = client.chat.completions.create(
+        model="assistant", tools=TOOLS, response_format=rf, tool_choice="none", max_tokens=40,
+        messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_time", "arguments": '{"zone":"UTC"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"}])
+    if r.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    else:
+        assert r.choices[0].message.content.startswith('{"summary":')
 
 
 def test_unsupported_schema_feature_is_400_naming_it(server):

@@ -13,9 +13,10 @@ from core.engine import Engine, EngineConfig
 from core.sampling import SamplingParams
 from core.tokenizer import Tokenizer
 from core.weights import random_params
-from scheduler.grammar import ConstraintSpec, GrammarCompiler, parse_tool_calls
+from scheduler.grammar import ConstraintSpec, GrammarCompiler
 from scheduler.request import FinishReason, GenerationRequest
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.tool_calls import parse_tool_calls
 from tiny_models import GEMMA3
 
 VOCAB = 262_144

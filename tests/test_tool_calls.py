@@ -1,0 +1,69 @@
+"""The tool-call wire format read back as it streams (`ToolCallStream`) and when finished: the pieces a
+stream gives out add up to exactly what the finished output parses to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduler.grammar_spec import ConstraintSpec
+from scheduler.tool_calls import TOOL_CALL_MARKER, CallPiece, ToolCallStream, parse_partial_call, parse_tool_calls
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = '{"name":"get_weather","arguments":{"city":"Oslo \\u00e9"}}'
+
+
+def feed(stream: ToolCallStream, text: str, size: int) -> list[str | CallPiece]:
+    out: list[str | CallPiece] = []
+    for i in range(0, len(text), size):
+        out += stream.push(text[i:i + size])
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_a_streamed_call_gives_its_head_then_arguments_that_add_up_to_the_parsed_call(mode, size):
+    text = (TOOL_CALL_MARKER if mode == "auto" else "") + CALL
+    stream = ToolCallStream(mode)
+    pieces = feed(stream, text, size)
+    spec = ConstraintSpec.tools(TOOLS, mode)
+    [call] = parse_tool_calls(text, spec)
+    pieces += stream.finish(complete=True)
+    assert not any(isinstance(p, str) for p in pieces)  # nothing of a call leaks as text
+    head, *rest = pieces
+    assert head.first and head.name == "get_weather" and head.arguments == ""
+    arguments = "".join(p.arguments for p in rest)
+    assert arguments == call["function"]["arguments"] == '{"city":"Oslo \\u00e9"}'
+    assert json.loads(arguments) == {"city": "Oslo é"}
+    if size == 1:
+        assert len(rest) > 5  # given out while generated, not at the end
+
+
+def test_text_flows_once_it_cannot_be_the_marker_and_is_held_while_it_can():
+    stream = ToolCallStream("auto")
+    assert stream.push("<to") == [] and stream.push("mato") == ["<tomato"] and stream.push("!") == ["!"]
+    held = ToolCallStream("auto")
+    assert held.push("<tool_") == [] and held.finish(complete=False) == ["<tool_"]
+    assert ToolCallStream(None).push("<tool_call>") == ["<tool_call>"]  # no tools: all text
+
+
+def test_a_call_cut_short_is_the_call_it_was_becoming():
+    text = TOOL_CALL_MARKER + '{"name":"get_weather","arguments":{"ci'
+    stream = ToolCallStream("auto")
+    pieces = feed(stream, text, 3) + stream.finish(complete=False)
+    assert "".join(p.arguments for p in pieces) == '{"ci'
+    assert parse_partial_call(text, "auto")["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert parse_partial_call(TOOL_CALL_MARKER + '{"na', "auto") is None
+    with pytest.raises(ValueError):
+        parse_tool_calls(text, ConstraintSpec.tools(TOOLS, "auto"))
+
+
+def test_tools_with_an_answer_format_make_one_spec_and_none_leaves_the_format():
+    answer = ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    spec = ConstraintSpec.tools(TOOLS, "auto", answer=answer)
+    assert spec.kind == "tools" and spec.answer_schema == answer.schema
+    assert ConstraintSpec.tools(TOOLS, "required", answer=answer).answer_schema is None  # must call
+    assert ConstraintSpec.tools(TOOLS, "none", answer=answer) == answer
+    assert ConstraintSpec.tools(None, "auto", answer=answer) == answer
