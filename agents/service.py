@@ -602,7 +602,9 @@ class ChatService:
         if claim is not None:
             await claim.release()
 
-    async def _submit(self, agent: AgentSpec, p: ChatParams) -> Generation:
+    async def render(self, agent: AgentSpec, p: ChatParams
+                     ) -> tuple[ConstraintSpec | None, RenderedPrompt, list[dict[str, Any]]]:
+        """(the output constraint, the prompt as the model sees it, the messages this turn adds to its session)."""
         spec, tools = self.constraint_spec(agent, p)
         if p.messages is not None:
             conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages, p.caller)
@@ -615,6 +617,10 @@ class ChatService:
                 raise InvalidRequestError("sessions are supported on chat completions only", "session_id")
             new_messages = []
             rendered = await asyncio.to_thread(self._render_completion, agent, p.prompt)
+        return spec, rendered, new_messages
+
+    async def _submit(self, agent: AgentSpec, p: ChatParams) -> Generation:
+        spec, rendered, new_messages = await self.render(agent, p)
         sampling = self.sampling(agent, p)
         constraint = None
         if spec is not None:

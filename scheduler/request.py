@@ -95,6 +95,7 @@ class FinishEvent:
     text: str = ""  # text released at the end (held-back characters), not yet sent in a TokenEvent
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    stop_sequence: str | None = None  # the stop string that ended generation, if one did
 
 
 Event = TokenEvent | FinishEvent

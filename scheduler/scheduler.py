@@ -481,7 +481,9 @@ class Scheduler:
                 timings["decode_tokens_per_s"] = (len(seq.generated) - 1) / max(now - seq.first_token_at, 1e-9)
         usage = Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
                       completion_tokens=len(seq.generated))
-        self._emit(seq, FinishEvent(reason=reason, usage=usage, text=tail, error=error, timings=timings))
+        matched = seq.stop_matcher.matched if seq.stop_matcher is not None else None
+        self._emit(seq, FinishEvent(reason=reason, usage=usage, text=tail, error=error, timings=timings,
+                                    stop_sequence=matched))
         if seq.slot is not None:
             self.kv.release(seq)
             if seq in self._prefilling:

@@ -39,9 +39,10 @@ from agents.service import (
 )
 from agents.spec import AgentSpec
 from agents.store import Store, StoreUnavailableError, open_store
+from server.anthropic_api import router as anthropic_router
 from server.auth import Auth
 from server.config import ServerConfig
-from server.errors import APIError, error_body, install_error_handlers
+from server.errors import APIError, error_body, install_error_handlers, is_anthropic_path
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
 from server.state import RuntimeFactory, ServerState, agent_for, state_of
@@ -98,8 +99,9 @@ class RequestContext:
         try:
             length = headers.get(b"content-length")
             if length is not None and (not length.isdigit() or int(length) > limit):
-                body = json.dumps(error_body(f"the request body exceeds {limit} bytes", "request_too_large",
-                                             None, "request_too_large")).encode()
+                error = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+                shaped = error.anthropic_body() if is_anthropic_path(scope.get("path", "")) else error.body()
+                body = json.dumps(shaped).encode()
                 await send_with_id({"type": "http.response.start", "status": 413,
                                     "headers": [(b"content-type", b"application/json"),
                                                 (b"content-length", str(len(body)).encode())]})
@@ -204,6 +206,7 @@ def create_app(
     app.add_middleware(RequestContext, max_body_bytes=config.limits.max_body_bytes)
     _add_routes(app)
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
     return app
 
 

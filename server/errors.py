@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+"""Errors in the API's own shape: OpenAI's ``{"error": {"message", "type", "param", "code"}}``, and on the
+Anthropic Messages routes Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 
 Bad input is never a 500: validation errors, unsupported parameters and schema features, unknown
 agents, full queues and oversize prompts all map to 4xx here.
@@ -55,8 +56,23 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "invalid_request_error"),
+                                           "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as ``path``'s API writes errors."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# Anthropic's error types (its 529 "overloaded" is our 503).
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.endswith("/v1/messages") or path.endswith("/v1/messages/count_tokens")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
@@ -101,23 +117,23 @@ def install_error_handlers(app: FastAPI) -> None:
 
         async def handle(request: Request, exc: Exception) -> JSONResponse:
             param = param_of(exc) if param_of else None
-            return APIError(status, str(exc), code=code, param=param, headers=headers).response()
+            return APIError(status, str(exc), code=code, param=param, headers=headers).response(request.url.path)
 
         return handle
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         status = 422 if request.url.path.startswith("/admin") else 400
-        return validation_error(list(exc.errors()), status).response()
+        return validation_error(list(exc.errors()), status).response(request.url.path)
 
     @app.exception_handler(ValidationError)
     async def _pydantic(request: Request, exc: ValidationError) -> JSONResponse:
         status = 422 if request.url.path.startswith("/admin") else 400
-        return validation_error(list(exc.errors()), status).response()
+        return validation_error(list(exc.errors()), status).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -126,15 +142,15 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route for {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} not allowed on {request.url.path}"
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response(request.url.path)
 
     @app.exception_handler(UnsupportedConstraintError)
     async def _constraint(request: Request, exc: UnsupportedConstraintError) -> JSONResponse:
-        return APIError(400, str(exc), param=exc.feature, code="unsupported_schema_feature").response()
+        return APIError(400, str(exc), param=exc.feature, code="unsupported_schema_feature").response(request.url.path)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return APIError(400, str(exc), param=exc.param, code=exc.code).response()
+        return APIError(400, str(exc), param=exc.param, code=exc.code).response(request.url.path)
 
     app.add_exception_handler(UnknownAgentError, handler(404, "model_not_found"))
     app.add_exception_handler(AgentConflictError, handler(409, "agent_exists"))
@@ -158,9 +174,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def _value(request: Request, exc: ValueError) -> JSONResponse:
         # Validation raised deep inside (sampling parameters, request shapes): the client's input.
-        return APIError(400, str(exc), code="invalid_value").response()
+        return APIError(400, str(exc), code="invalid_value").response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "internal server error", code="internal_error").response()
+        return APIError(500, "internal server error", code="internal_error").response(request.url.path)

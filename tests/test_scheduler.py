@@ -222,7 +222,7 @@ def test_stop_string_split_across_tokens_is_not_emitted(engine, tokenizer):
     stop = base_text[cut - 1:cut + 1] if cut > 0 else base_text[:2]
     start = base_text.find(stop)
     out_ids, text, fin = run_all(make(engine, tokenizer), [request(prompt, max_tokens=12, stop=(stop,))])[0]
-    assert fin.reason is FinishReason.STOP
+    assert fin.reason is FinishReason.STOP and fin.stop_sequence == stop  # which stop ended it
     assert text == base_text[:start]
     assert stop not in text
 
