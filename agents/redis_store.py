@@ -373,6 +373,23 @@ class RedisStore(Store):
     async def abandon_request(self, scope: str, key: str) -> None:
         await self._redis.delete(self._request_key(scope, key))
 
+    def _response_key(self, response_id: str) -> str:
+        return f"{self._prefix}response:{response_id}"
+
+    @_guarded
+    async def put_response(self, response_id: str, record: dict[str, Any], ttl_s: float | None) -> None:
+        px = max(1, round(ttl_s * 1000)) if ttl_s else None
+        await self._redis.set(self._response_key(response_id), json.dumps(record, ensure_ascii=False), px=px)
+
+    @_guarded
+    async def get_response(self, response_id: str) -> dict[str, Any] | None:
+        raw = await self._redis.get(self._response_key(response_id))
+        return json.loads(raw) if raw is not None else None
+
+    @_guarded
+    async def delete_response(self, response_id: str) -> bool:
+        return bool(await self._redis.delete(self._response_key(response_id)))
+
     @_guarded
     async def ping(self) -> None:
         await self._redis.ping()

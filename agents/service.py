@@ -242,6 +242,8 @@ class ChatParams:
     cache_salt: str | None = None  # requests share cached KV only with the same salt (vLLM's API)
     caller: SessionCaller | None = None  # who asks, for session ownership; None: sessions are shared
     truncation: str | None = None  # "auto" | "disabled"; None: the agent's
+    instructions: str | None = None  # a system message for this request only: rendered first, never stored
+    only_new: bool = False  # the messages are only what follows the session's history (never a resent history)
 
 
 class InvalidRequestError(ValueError):
@@ -553,10 +555,11 @@ class ChatService:
         return spec, described
 
     async def session_messages(self, agent: AgentSpec, session_id: str | None, messages: list[dict[str, Any]],
-                               caller: SessionCaller | None = None
+                               caller: SessionCaller | None = None, only_new: bool = False
                                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(the full conversation to render, the new messages this turn adds to the session). A session owned
-        by another key is `SessionNotFoundError`, as if it did not exist."""
+        by another key is `SessionNotFoundError`, as if it did not exist. ``only_new``: ``messages`` follow the
+        history (a chained response's input), never a resend of it."""
         incoming = normalize_messages(messages)
         if session_id is None:
             return incoming, incoming
@@ -567,7 +570,7 @@ class ChatService:
         limit = self.store.max_sessions_per_agent
         if session is None and limit and len(await self.store.list_sessions(agent.name)) >= limit:
             raise SessionLimitError(agent.name, limit)  # refuse before generating, not at commit
-        new = merge_history(history, incoming)
+        new = incoming if only_new else merge_history(history, incoming)
         return history + new, new
 
     # ---- the request ---------------------------------------------------------------------------
@@ -607,10 +610,13 @@ class ChatService:
         """(the output constraint, the prompt as the model sees it, the messages this turn adds to its session)."""
         spec, tools = self.constraint_spec(agent, p)
         if p.messages is not None:
-            conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages, p.caller)
+            conversation, new_messages = await self.session_messages(agent, p.session_id, p.messages, p.caller,
+                                                                     p.only_new)
             if not conversation:
                 raise InvalidRequestError("messages must not be empty", "messages")
             truncation = p.truncation or agent.truncation
+            if p.instructions:
+                conversation = [{"role": "system", "content": p.instructions}, *conversation]
             rendered = await asyncio.to_thread(self.render_chat, agent, conversation, tools, truncation)
         else:
             if p.session_id is not None:
@@ -689,17 +695,17 @@ class ChatService:
         """Splits the generation's text into answer text and tool-call pieces as it arrives."""
         return ToolCallStream(gen.tool_mode)
 
-    async def commit(self, gen: Generation, outcome: Outcome) -> None:
+    async def commit(self, gen: Generation, outcome: Outcome) -> Session | None:
         """Store this turn (new messages + the reply) in the session, if the request has one, then release the
-        session for its next turn."""
+        session for its next turn. Returns the session as stored after this turn."""
         if gen.session_id is None:
-            return
+            return None
         reply = outcome.message()
         if reply["content"] is None:
             reply["content"] = ""
         try:
-            await self.store.append_turn(gen.agent.name, gen.session_id, [*gen.new_messages, reply],
-                                         ttl=self.session_ttl, owner=gen.owner,
-                                         require_agent=self.agent_in_store(gen.agent.name))
+            return await self.store.append_turn(gen.agent.name, gen.session_id, [*gen.new_messages, reply],
+                                                ttl=self.session_ttl, owner=gen.owner,
+                                                require_agent=self.agent_in_store(gen.agent.name))
         finally:
             await self.release(gen)

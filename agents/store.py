@@ -237,6 +237,18 @@ class Store(ABC):
     async def abandon_request(self, scope: str, key: str) -> None:
         """Drop a claimed request that failed, so that a retry runs it again."""
 
+    @abstractmethod
+    async def put_response(self, response_id: str, record: dict[str, Any], ttl_s: float | None) -> None:
+        """Keep a stored response (the Responses API's): a JSON-able record, for ``ttl_s`` (None: for good)."""
+
+    @abstractmethod
+    async def get_response(self, response_id: str) -> dict[str, Any] | None:
+        """A stored response's record, or None (never stored, expired or deleted)."""
+
+    @abstractmethod
+    async def delete_response(self, response_id: str) -> bool:
+        """Forget a stored response; False if there was none."""
+
     async def ping(self) -> None:  # noqa: B027 - optional hook: a store in process memory always answers
         """Raise `StoreUnavailableError` unless the store answers (for /ready)."""
 
@@ -270,6 +282,7 @@ class MemoryStore(Store):
         self._sessions: dict[str, dict[str, _MemSession]] = {}
         self._turns: dict[tuple[str, str], tuple[str, float]] = {}  # (agent, sid) -> (token, lapses at)
         self._requests: dict[tuple[str, str], tuple[str | None, float]] = {}  # (scope, key) -> (answer, expiry)
+        self._responses: dict[str, tuple[str, float]] = {}  # response id -> (record JSON, expiry)
         # No awaits inside the operations, so they are atomic within one event loop; the lock covers
         # callers on other threads.
         self._lock = threading.Lock()
@@ -412,6 +425,24 @@ class MemoryStore(Store):
     async def abandon_request(self, scope: str, key: str) -> None:
         with self._lock:
             self._requests.pop((scope, key), None)
+
+
+    async def put_response(self, response_id: str, record: dict[str, Any], ttl_s: float | None) -> None:
+        encoded = json.dumps(record, ensure_ascii=False)
+        with self._lock:
+            now = time.monotonic()
+            self._responses = {k: v for k, v in self._responses.items() if v[1] > now}  # forget expired ones
+            self._responses[response_id] = (encoded, now + ttl_s if ttl_s else float("inf"))
+
+    async def get_response(self, response_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            held = self._responses.get(response_id)
+            return json.loads(held[0]) if held is not None and held[1] > time.monotonic() else None
+
+    async def delete_response(self, response_id: str) -> bool:
+        with self._lock:
+            held = self._responses.pop(response_id, None)
+            return held is not None and held[1] > time.monotonic()
 
 
 def _snapshot(agent: str, sid: str, entry: _MemSession) -> Session:

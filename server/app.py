@@ -45,6 +45,7 @@ from server.config import ServerConfig
 from server.errors import APIError, error_body, install_error_handlers, is_anthropic_path
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
+from server.responses_api import router as responses_router
 from server.state import RuntimeFactory, ServerState, agent_for, state_of
 
 log = logging.getLogger("slotserve.server")
@@ -207,6 +208,7 @@ def create_app(
     _add_routes(app)
     app.include_router(openai_router)
     app.include_router(anthropic_router)
+    app.include_router(responses_router)
     return app
 
 

@@ -79,12 +79,24 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Location parts pydantic adds for the branch of a union it tried ("str", "list[tagged-union[...]]"): not fields.
+_BRANCH_LABELS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
+             and not (isinstance(p, str) and ("[" in p or p in _BRANCH_LABELS))]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the errors about the first field named, the deepest: with a union, the branch that got furthest."""
+    head = tuple(errors[0].get("loc", ()))[:2]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == head]
+    return max(same, key=lambda e: len(e.get("loc", ())))
 
 
 def validation_error(errors: list[dict[str, Any]], status: int = 400) -> APIError:
@@ -97,7 +109,7 @@ def validation_error(errors: list[dict[str, Any]], status: int = 400) -> APIErro
                         param=names[0], code="unsupported_parameter")
     if not errors:
         return APIError(status, "invalid request")
-    first = errors[0]
+    first = _most_specific(errors)
     param = _loc(tuple(first.get("loc", ()))) or None
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":

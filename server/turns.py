@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from fastapi import Request
 
 from agents.service import ChatParams, ChatService, Generation, Outcome
 from agents.spec import AgentSpec
-from agents.store import AgentGoneError, SessionLimitError, StoreUnavailableError
+from agents.store import AgentGoneError, Session, SessionLimitError, StoreUnavailableError
 from scheduler.grammar_spec import GrammarBusyError
 from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
 from scheduler.tool_calls import CallPiece
@@ -166,6 +166,8 @@ class Turn:
     tracker: Tracker
     idem: idempotency.IdempotentRequest | None = None
     answer: Callable[[Outcome, FinishEvent], dict[str, Any]] | None = None
+    # Run once the turn is stored, before `Committed` (the Responses API stores its response object there).
+    after_commit: Callable[[Outcome, FinishEvent, Session | None], Awaitable[None]] | None = None
     committed: bool = field(default=False, init=False)
 
     @classmethod
@@ -213,7 +215,9 @@ class Turn:
                 commit = in_background(self.state, service.commit(gen, outcome))
                 yield Finished(outcome, ev, tail + calls.finish(complete=outcome.finish_reason == "tool_calls"))
                 try:
-                    await asyncio.shield(commit)
+                    session = await asyncio.shield(commit)
+                    if self.after_commit is not None:
+                        await asyncio.shield(in_background(self.state, self.after_commit(outcome, ev, session)))
                 except Exception as e:  # noqa: BLE001 - reported in the response; generation is done
                     error = commit_failed(e)
                     status = error.status

@@ -554,3 +554,18 @@ def test_a_renewed_idempotency_claim_stays_running_and_a_finished_one_is_not_ren
         assert not await store.renew_request("a\0o", "never", ttl_s=0.3)
 
     run(make_store, body)
+
+
+def test_stored_responses_are_kept_read_back_and_deleted(make_store):
+    async def body(store: Store) -> None:
+        record = {"agent": "a", "session_id": "s", "point": 4, "owner": None, "response": {"id": "resp_1"}}
+        await store.put_response("resp_1", record, ttl_s=5)
+        assert await store.get_response("resp_1") == record
+        assert await store.get_response("resp_2") is None
+        assert await store.delete_response("resp_1") and not await store.delete_response("resp_1")
+        assert await store.get_response("resp_1") is None
+        await store.put_response("resp_3", record, ttl_s=0.2)
+        await asyncio.sleep(0.4)
+        assert await store.get_response("resp_3") is None  # expired with its session's time to live
+
+    run(make_store, body)

@@ -136,3 +136,23 @@ def test_the_server_makes_up_an_unguessable_session_id_on_request(server):
     sid = r.headers["x-session-id"]
     assert r.status_code == 200 and sid.startswith("sess-") and len(sid) == 5 + 32
     assert httpx.get(f"{server.url}/agents/alpha/v1/sessions/{sid}", headers=bearer("key-a")).status_code == 200
+
+
+def test_a_stored_response_belongs_to_the_key_that_created_it(server):
+    r = httpx.post(f"{server.url}/admin/agents", headers=bearer(ADMIN),
+                   json={"name": "delta", "system_prompt": "You are delta.", "api_keys": ["key-d1", "key-d2"]})
+    assert r.status_code == 201, r.text
+    base = f"{server.url}/agents/delta/v1"
+    r = httpx.post(f"{base}/responses", headers=bearer("key-d1"), json={"input": "hi", "max_output_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    rid, other = r.json()["id"], bearer("key-d2")
+    for path in (f"{base}/responses/{rid}", f"{server.url}/v1/responses/{rid}"):
+        assert httpx.get(path, headers=other).status_code == 404
+        assert httpx.get(path, headers=bearer("key-a")).status_code in (403, 404)  # another agent's key
+        assert httpx.get(path, headers=bearer(ADMIN)).status_code == 200
+    chained = {"input": "more", "previous_response_id": rid, "max_output_tokens": 1}
+    assert httpx.post(f"{base}/responses", headers=other, json=chained, timeout=60).status_code == 404
+    assert httpx.delete(f"{base}/responses/{rid}", headers=other).status_code == 404
+    r = httpx.post(f"{base}/responses", headers=bearer("key-d1"), json=chained, timeout=60)
+    assert r.status_code == 200 and r.json()["previous_response_id"] == rid
