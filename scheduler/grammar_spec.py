@@ -130,10 +130,17 @@ class ConstraintSpec:
         if tool_choice == "none":
             return answer
         functions = _normalize_tools(tools or [])
-        if isinstance(tool_choice, dict):
-            name = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
-            if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
-                raise UnsupportedConstraintError("tool_choice", f"malformed tool_choice {tool_choice!r}")
+        if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+            allowed = tool_choice.get("allowed_tools", tool_choice)  # Chat Completions nests it, Responses not
+            names = [_choice_name(t) for t in allowed.get("tools") or []]
+            mode = allowed.get("mode")
+            if mode not in ("auto", "required") or not names:
+                raise UnsupportedConstraintError("tool_choice", f"malformed tool_choice {tool_choice!r:.200}")
+            functions = [f for f in functions if f["name"] in names]
+            if unknown := set(names) - {f["name"] for f in functions}:
+                raise UnsupportedConstraintError("tool_choice", f"unknown function {sorted(unknown)[0]!r}")
+        elif isinstance(tool_choice, dict):
+            name = _choice_name(tool_choice)
             functions = [f for f in functions if f["name"] == name]
             if not functions:
                 raise UnsupportedConstraintError("tool_choice", f"unknown function {name!r}")
@@ -185,6 +192,14 @@ class ConstraintSpec:
         if self.kind != "tools":
             raise AttributeError(f"a {self.kind} constraint has no tools")
         return json.loads(self.value)
+
+
+def _choice_name(choice: Any) -> str:
+    """The function a tool choice names: {"type": "function", "function": {"name"}} or the flat {"name"}."""
+    name = (choice.get("function") or {}).get("name", choice.get("name")) if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise UnsupportedConstraintError("tool_choice", f"malformed tool_choice {choice!r:.200}")
+    return name
 
 
 def _normalize_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agents.messages import invalid_text_path
@@ -23,11 +23,10 @@ from scheduler.tool_calls import CallPiece
 from server.anthropic_schemas import CountTokensRequest, Message, MessagesRequest, ToolChoice
 from server.errors import APIError
 from server.openai_api import session_header, session_id_of
-from server.state import agent_for, agent_named_by_model, state_of
+from server.state import AgentName, agent_for, agent_named_by_model, state_of
 from server.streaming import MEDIA_TYPE, SSE_HEADERS
 from server.turns import Committed, Failed, Finished, Step, Tracker, Turn
 
-AgentName = Annotated[str, Path(examples=["assistant"], description="the agent's name")]
 router = APIRouter()
 
 

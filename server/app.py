@@ -1,15 +1,14 @@
-"""The HTTP server: OpenAI-compatible endpoints per agent, sessions, admin API, health and metrics.
+"""The HTTP app: configuration, start-up (the model loads on a background thread, so /health answers at
+once and /ready reports progress), request ids and body limits, logging, and the operations routes
+(``/health``, ``/ready``, ``/metrics``). The APIs live in their own modules, each a translation onto the
+one turn pipeline of `server.turns`:
 
-Routes:
+* `server.openai_api`: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``model`` names the
+  agent) and the same under ``/agents/{agent}/v1`` (a complete OpenAI base URL per agent);
+* `server.responses_api`: the Responses API; `server.anthropic_api`: the Anthropic Messages API;
+* `server.sessions_api`: server-side sessions; `server.admin_api`: agents created and changed over HTTP.
 
-* ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``: ``model`` names the agent.
-* ``/agents/{agent}/v1/...``: the same, with the agent fixed by the URL (a complete OpenAI base URL),
-  plus ``GET|DELETE /agents/{agent}/v1/sessions/{id}`` and ``GET /agents/{agent}/v1/sessions``.
-* ``/admin/agents`` (POST, GET) and ``/admin/agents/{name}`` (GET, PUT, PATCH, DELETE).
-* ``/health`` (alive), ``/ready`` (503 until the model is loaded and warm), ``/metrics``.
-
-The model loads on a background thread at start-up, so /health answers at once and /ready reports
-progress. Nothing here imports JAX: the runtime is built by `agents.service.build_runtime`.
+Nothing here imports JAX: the runtime is built by `agents.service.build_runtime`.
 """
 
 from __future__ import annotations
@@ -25,20 +24,19 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Body, FastAPI, HTTPException, Path, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from agents.registry import AgentRegistry
 from agents.service import (
     ChatService,
     Runtime,
-    SessionNotFoundError,
     build_runtime,
 )
-from agents.spec import AgentSpec
 from agents.store import Store, StoreUnavailableError, open_store
+from server.admin_api import router as admin_router
 from server.anthropic_api import router as anthropic_router
 from server.auth import Auth
 from server.config import ServerConfig
@@ -46,13 +44,12 @@ from server.errors import APIError, error_body, install_error_handlers, is_anthr
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
 from server.responses_api import router as responses_router
-from server.state import RuntimeFactory, ServerState, agent_for, state_of
+from server.sessions_api import router as sessions_router
+from server.state import RuntimeFactory, ServerState, state_of
 
 log = logging.getLogger("slotserve.server")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
-AgentName = Annotated[str, Path(examples=["assistant"], description="the agent's name")]
-SessionId = Annotated[str, Path(examples=["session-1"], description="a session id (namespaced per agent)")]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 
 
@@ -209,6 +206,8 @@ def create_app(
     app.include_router(openai_router)
     app.include_router(anthropic_router)
     app.include_router(responses_router)
+    app.include_router(sessions_router)
+    app.include_router(admin_router)
     return app
 
 
@@ -299,87 +298,3 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:
         return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE)
-
-    # ---- sessions --------------------------------------------------------------------------------
-
-    @app.get("/agents/{agent}/v1/sessions", tags=["sessions"])
-    async def list_sessions(request: Request, agent: AgentName) -> dict[str, Any]:
-        spec = await agent_for(request, agent)
-        caller = state_of(request).auth.session_caller(request)
-        infos = await state_of(request).store.list_sessions(spec.name)
-        return {"object": "list", "data": [
-            {"id": i.id, "object": "session", "agent": i.agent, "created": i.created, "updated": i.updated,
-             "expires_at": i.expires_at, "message_count": i.message_count}
-            for i in infos if caller is None or caller.may_see(i)]}
-
-    @app.get("/agents/{agent}/v1/sessions/{session_id}", tags=["sessions"])
-    async def get_session(request: Request, agent: AgentName, session_id: SessionId) -> dict[str, Any]:
-        spec = await agent_for(request, agent)
-        session = await _visible_session(request, spec, session_id)
-        return {"id": session.id, "object": "session", "agent": session.agent, "created": session.created,
-                "updated": session.updated, "expires_at": session.expires_at, "messages": session.messages}
-
-    @app.delete("/agents/{agent}/v1/sessions/{session_id}", tags=["sessions"])
-    async def delete_session(request: Request, agent: AgentName, session_id: SessionId) -> dict[str, Any]:
-        spec = await agent_for(request, agent)
-        await _visible_session(request, spec, session_id)
-        if not await state_of(request).store.delete_session(spec.name, session_id):
-            raise SessionNotFoundError(spec.name, session_id)
-        return {"id": session_id, "object": "session.deleted", "deleted": True}
-
-    # ---- admin -------------------------------------------------------------------------------------
-
-    @app.post("/admin/agents", status_code=201, tags=["admin"])
-    async def create_agent(request: Request, spec: AgentSpec) -> dict[str, Any]:
-        state = state_of(request)
-        state.auth.require_admin(request)
-        return _admin_view(state, await state.registry.create(spec))
-
-    @app.get("/admin/agents", tags=["admin"])
-    async def admin_list(request: Request) -> dict[str, Any]:
-        state = state_of(request)
-        state.auth.require_admin(request)
-        return {"object": "list", "data": [_admin_view(state, a) for a in await state.registry.list()]}
-
-    @app.get("/admin/agents/{name}", tags=["admin"])
-    async def admin_get(request: Request, name: str) -> dict[str, Any]:
-        state = state_of(request)
-        state.auth.require_admin(request)
-        return _admin_view(state, await state.registry.get(name))
-
-    @app.put("/admin/agents/{name}", tags=["admin"])
-    async def admin_put(request: Request, name: str, spec: AgentSpec) -> dict[str, Any]:
-        state = state_of(request)
-        state.auth.require_admin(request)
-        if spec.name != name:
-            raise APIError(400, f"the body's name {spec.name!r} differs from the URL's {name!r}", param="name",
-                           code="invalid_value")
-        return _admin_view(state, await state.registry.update(spec))
-
-    @app.patch("/admin/agents/{name}", tags=["admin"])
-    async def admin_patch(request: Request, name: str, changes: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
-        state = state_of(request)
-        state.auth.require_admin(request)
-        return _admin_view(state, await state.registry.patch(name, changes))
-
-    @app.delete("/admin/agents/{name}", tags=["admin"])
-    async def admin_delete(request: Request, name: str) -> dict[str, Any]:
-        state = state_of(request)
-        state.auth.require_admin(request)
-        await state.registry.delete(name)
-        return {"id": name, "object": "agent.deleted", "deleted": True}
-
-
-def _admin_view(state: ServerState, agent: AgentSpec) -> dict[str, Any]:
-    view = agent.public_dict()
-    view["source"] = "file" if state.registry.is_file_agent(agent.name) else "store"
-    return view
-
-
-async def _visible_session(request: Request, spec: AgentSpec, session_id: str) -> Any:
-    """The session if it exists and the caller may see it (its creator's key, or an admin key), else 404."""
-    session = await state_of(request).store.get_session(spec.name, session_id)
-    caller = state_of(request).auth.session_caller(request)
-    if session is None or (caller is not None and not caller.may_see(session)):
-        raise SessionNotFoundError(spec.name, session_id)
-    return session

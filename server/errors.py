@@ -79,13 +79,17 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-# Location parts pydantic adds for the branch of a union it tried ("str", "list[tagged-union[...]]"): not fields.
+# Location parts pydantic adds for the branch of a union it tried ("str", "list[tagged-union[...]]", a model's
+# class name): not fields, whose names are all lower case.
 _BRANCH_LABELS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
+def _is_branch_label(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _BRANCH_LABELS or part[:1].isupper())
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
-             and not (isinstance(p, str) and ("[" in p or p in _BRANCH_LABELS))]
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header") and not _is_branch_label(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)

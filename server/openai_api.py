@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agents.service import ChatParams, Generation, Outcome
@@ -16,11 +16,10 @@ from scheduler.request import FinishEvent, TokenEvent
 from scheduler.tool_calls import CallPiece
 from server.errors import APIError
 from server.schemas import ChatCompletionRequest, CompletionRequest, request_problem
-from server.state import ServerState, agent_for, agent_named_by_model, state_of
+from server.state import AgentName, ServerState, agent_for, agent_named_by_model, state_of
 from server.streaming import DONE, MEDIA_TYPE, SSE_HEADERS, sse
 from server.turns import Committed, Failed, Finished, Step, Tracker, Turn, idempotent_request, in_background
 
-AgentName = Annotated[str, Path(examples=["assistant"], description="the agent's name")]
 NEW_SESSION = "new"  # X-Session-Id / session_id value asking the server to choose an unguessable id
 
 router = APIRouter()

@@ -36,11 +36,10 @@ from server.responses_schemas import (
     TextFormatJSONObject,
     TextFormatJSONSchema,
 )
-from server.state import ServerState, agent_for, agent_named_by_model, state_of
+from server.state import AgentName, ServerState, agent_for, agent_named_by_model, state_of
 from server.streaming import MEDIA_TYPE, SSE_HEADERS
 from server.turns import Committed, Failed, Finished, Step, Tracker, Turn, idempotent_request, in_background
 
-AgentName = Annotated[str, Path(examples=["assistant"], description="the agent's name")]
 ResponseId = Annotated[str, Path(examples=["resp_0123"], description="a response id")]
 router = APIRouter()
 
@@ -137,7 +136,7 @@ def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any] | None:
     choice = body.tool_choice
     if choice is None or isinstance(choice, str):
         return choice
-    return {"type": "function", "function": {"name": choice.name}}
+    return choice.model_dump()  # {"type": "function", "name"} or {"type": "allowed_tools", "mode", "tools"}
 
 
 async def _conversation(request: Request, state: ServerState, agent: AgentSpec, body: ResponsesRequest,

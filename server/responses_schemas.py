@@ -114,6 +114,14 @@ class NamedFunction(_Strict):
     name: str = Field(pattern=_NAME)
 
 
+class AllowedTools(_Strict):
+    """The model may call only these tools (and must call one of them with mode "required")."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunction] = Field(min_length=1, max_length=128)
+
+
 class TextFormatText(_Strict):
     type: Literal["text"]
 
@@ -165,7 +173,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = Field(None, max_length=256)
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
-    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | AllowedTools | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted; at most one call is made per turn")
     max_tool_calls: int | None = Field(None, ge=1, description="accepted; at most one call is made per turn")
     max_output_tokens: int | None = Field(None, ge=1)

@@ -111,6 +111,18 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class AllowedTools(_Strict):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1, max_length=128)
+
+
+class AllowedToolsChoice(_Strict):
+    """The model may call only these tools (and must call one of them with mode "required")."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None
 
@@ -184,7 +196,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted; at most one call is made per turn")
     modalities: list[Literal["text"]] | None = None
     # Sent by frameworks and proxies; none changes what is generated here, so each is accepted as a no-op.

@@ -7,8 +7,9 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Path, Request
 
 from agents.registry import AgentRegistry
 from agents.service import ChatService, Generation, Runtime
@@ -20,6 +21,8 @@ from server.errors import APIError
 from server.metrics import Metrics
 
 log = logging.getLogger("slotserve.server")
+AgentName = Annotated[str, Path(examples=["assistant"], description="the agent's name")]
+SessionId = Annotated[str, Path(examples=["session-1"], description="a session id (namespaced per agent)")]
 RuntimeFactory = Callable[[Callable[[str], None]], Runtime]
 
 

@@ -411,6 +411,19 @@ def test_tool_choice_none_and_bad_names():
         ConstraintSpec.tools([ADD, ADD])
 
 
+def test_allowed_tools_restrict_the_callable_functions():
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "add"}}]}}
+    spec = ConstraintSpec.tools([WEATHER, ADD], choice)
+    assert spec.tool_mode == "required" and [f["name"] for f in spec.functions] == ["add"]
+    flat = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+    spec = ConstraintSpec.tools([WEATHER, ADD], flat)  # the Responses API's flat shape
+    assert spec.tool_mode == "auto" and [f["name"] for f in spec.functions] == ["get_weather"]
+    with pytest.raises(UnsupportedConstraintError, match="unknown function 'sub'"):
+        ConstraintSpec.tools([WEATHER, ADD], {"type": "allowed_tools", "mode": "auto",
+                                              "tools": [{"type": "function", "name": "sub"}]})
+
+
 def test_tool_choice_required(compiler, tokenizer):
     spec = ConstraintSpec.tools([WEATHER, ADD], "required")
     call = call_text("get_weather", {"city": "Zürich", "unit": "C"})

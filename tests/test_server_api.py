@@ -164,6 +164,14 @@ def test_tool_calls_required_and_named(client, choice):
         assert call.function.name == "get_weather"
 
 
+def test_allowed_tools_choice_calls_only_a_listed_function(client):
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    r = client.chat.completions.create(model="assistant", messages=USER, tools=TOOLS, tool_choice=choice,
+                                       max_tokens=40)
+    assert r.choices[0].message.tool_calls[0].function.name == "get_time"
+
+
 def test_tool_call_streamed_and_auto(client):
     chunks = list(client.chat.completions.create(model="assistant", messages=USER, tools=TOOLS,
                                                  tool_choice="required", max_tokens=40, stream=True))
