@@ -68,6 +68,19 @@ def test_two_servers_share_agents_and_sessions(redis_url):
         assert httpx.get(f"{a.url}/agents/shared/v1/sessions/s").status_code == 404
 
 
+def test_a_response_stored_by_one_server_is_chained_on_another(redis_url):
+    prefix = f"t-{uuid.uuid4().hex[:8]}:"
+    with make_server(redis_url, prefix) as a, make_server(redis_url, prefix) as b:
+        ca = openai.OpenAI(base_url=f"{a.url}/agents/assistant/v1", api_key="x", max_retries=0)
+        cb = openai.OpenAI(base_url=f"{b.url}/agents/assistant/v1", api_key="x", max_retries=0)
+        first = ca.responses.create(model="assistant", input="Remember 42.", max_output_tokens=2)
+        assert cb.responses.retrieve(first.id).output_text == first.output_text
+        second = cb.responses.create(model="assistant", input="Which?", previous_response_id=first.id,
+                                     max_output_tokens=2)
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        assert ca.responses.retrieve(second.id).previous_response_id == first.id
+
+
 def test_a_stalled_redis_is_a_prompt_503_that_names_no_address(tmp_path):
     """redis-server stopped with SIGSTOP (it accepts nothing and answers nothing): a session request fails
     within the store's timeout with 503 store_unavailable, /ready says the store is unavailable, no body
