@@ -16,6 +16,8 @@ from typing import Any
 
 from core.tokenizer import Tokenizer
 from scheduler.grammar_spec import ConstraintSpec, UnsupportedConstraintError
+from scheduler.schema_rewrite import rewrite
+from scheduler.strict_schema import tighten
 
 __all__ = ["Backend", "GrammarMatcher", "iter_subschemas", "mask_words", "prepare_schema"]
 
@@ -114,8 +116,12 @@ def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
             stack.extend(node["dependencies"].values())
 
 
-def prepare_schema(schema: Any) -> dict[str, Any]:
-    """Normalize a schema before handing it to a backend (``schema`` is a private copy, mutated)."""
+def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[str] | None = None
+                   ) -> dict[str, Any]:
+    """Normalize a schema before handing it to a backend (``schema`` is a private copy, mutated): narrowed by
+    `strict_schema.tighten` (``bound_literals``: numbers and second fractions too), then rewritten exactly by
+    `schema_rewrite.rewrite`. ``formats``: the formats the backend asserts; any other is an annotation (as in
+    draft 2020-12) and dropped, so its strings are plain strings."""
     if schema is True:
         return {}
     if schema is False:
@@ -124,7 +130,11 @@ def prepare_schema(schema: Any) -> dict[str, Any]:
         raise UnsupportedConstraintError("schema", "a JSON schema must be an object or a boolean")
     # Backend options ride in "x-guidance"; the user does not get to turn on lenient mode or whitespace.
     schema.pop("x-guidance", None)
+    tighten(schema, numbers=bound_literals)
+    rewrite(schema)
     for sub in iter_subschemas(schema):
+        if formats is not None and isinstance(sub.get("format"), str) and sub["format"] not in formats:
+            del sub["format"]
         for key in _COUNTS:  # 2020-12: 2.0 is an integer; llguidance wants 2
             if isinstance(sub.get(key), float) and sub[key].is_integer():
                 sub[key] = int(sub[key])

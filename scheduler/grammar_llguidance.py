@@ -120,9 +120,14 @@ def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int | None = None) ->
         return per_size[n_vocab]
 
 
+# The string formats llguidance asserts; any other is an annotation (draft 2020-12) and generated as a plain string.
+ASSERTED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                              "uuid"})
+
+
 def _llg_json(schema: Any) -> dict[str, Any]:
     # In lark's %json the options must ride in the schema: overrides do not reach there.
-    return {**prepare_schema(schema), "x-guidance": _JSON_OPTIONS}
+    return {**prepare_schema(schema, formats=ASSERTED_FORMATS), "x-guidance": _JSON_OPTIONS}
 
 
 def _tools_lark(spec: ConstraintSpec) -> str:
@@ -157,7 +162,7 @@ def _tools_lark(spec: ConstraintSpec) -> str:
 def llguidance_grammar(spec: ConstraintSpec) -> str:
     """The llguidance grammar (JSON text) for ``spec``; validity is checked when a matcher is built."""
     if spec.kind in ("json_schema", "json_object"):
-        schema = prepare_schema(spec.schema)
+        schema = prepare_schema(spec.schema, formats=ASSERTED_FORMATS)
         return LLMatcher.grammar_from_json_schema(canonical_json(schema), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.value)

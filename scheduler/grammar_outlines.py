@@ -118,7 +118,7 @@ _OC_BY_TYPE = {
     "object": frozenset({"properties", "required", "additionalProperties"}),
 }
 _OC_TYPES = frozenset({"string", "integer", "number", "boolean", "null", "object", "array"})
-_OC_FORMATS = frozenset({"uuid"})
+OC_FORMATS = frozenset({"uuid"})
 OUTLINES_MAX_REGEX = 4_000
 
 
@@ -167,7 +167,7 @@ def check_outlines_schema(schema: dict[str, Any]) -> None:
         ref = node.get("$ref")
         if ref is not None and not (isinstance(ref, str) and ref.startswith("#/")):
             raise UnsupportedConstraintError("$ref", f"{ref!r}: only local references (outlines-core backend)")
-        if "format" in node and node["format"] not in _OC_FORMATS:
+        if "format" in node and node["format"] not in OC_FORMATS:
             raise UnsupportedConstraintError(f"format: {node['format']}", "outlines-core backend")
         props, required = node.get("properties", {}), node.get("required", [])
         if not isinstance(props, dict) or not isinstance(required, list) or not set(required) <= set(props):
@@ -195,7 +195,7 @@ def check_outlines_schema(schema: dict[str, Any]) -> None:
 def _oc_schema_regex(schema: Any) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
-    schema = prepare_schema(schema)
+    schema = prepare_schema(schema, bound_literals=False, formats=OC_FORMATS)  # it enforces no numeric bounds
     check_outlines_schema(schema)
     try:
         return "(?:" + build_regex_from_schema(canonical_json(schema), "") + ")"

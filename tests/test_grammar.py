@@ -270,8 +270,7 @@ def test_schema_constraints_are_enforced(compiler, tokenizer):
     ("spec", "feature"),
     [
         (lambda: ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
-        (lambda: ConstraintSpec.json_schema({"type": "string", "format": "color"}), "format: color"),
-        (lambda: ConstraintSpec.json_schema({"not": {"type": "string"}}), "not"),
+        (lambda: ConstraintSpec.json_schema({"not": {"const": "x"}}), "not"),  # no exact complement written
         (lambda: ConstraintSpec.json_schema({"$ref": "https://example.com/s.json"}), "remote $ref"),
         (lambda: ConstraintSpec.json_schema({"oneOf": [{"type": "integer"}, {"type": "number"}]}), "oneOf"),
         (lambda: ConstraintSpec.json_schema(False), "unsatisfiable schema"),
@@ -537,9 +536,7 @@ def test_fill_masks_fills_only_listed_rows(compiler, tokenizer):
         ({"type": "integer", "minimum": 0}, "minimum"),
         ({"type": "number", "exclusiveMaximum": 1}, "exclusiveMaximum"),
         ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf"),
-        ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "oneOf"),
-        ({"type": "string", "format": "email"}, "format: email"),
-        ({"type": "string", "format": "date-time"}, "format: date-time"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),  # not provably disjoint
         ({"type": "string", "pattern": "^a+$"}, "pattern"),
         ({"type": "object", "required": ["x"]}, "required"),
         ({"$ref": "#/$defs/s", "maxLength": 2, "$defs": {"s": {"type": "string"}}}, "$ref with sibling keywords"),
@@ -587,3 +584,101 @@ def test_outlines_core_backend_agrees_with_llguidance(tokenizer, compiler):
             outlines.compile(ConstraintSpec.json_schema({"type": "integer", "minimum": 1}))
     finally:
         outlines.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# strict narrowing and exact rewrites (scheduler.strict_schema, scheduler.schema_rewrite)
+# --------------------------------------------------------------------------------------------------
+
+
+def agrees_with_jsonschema(compiler, tokenizer, schema, documents) -> None:
+    """The grammar accepts exactly the documents jsonschema calls valid (a rewrite is exact)."""
+    import jsonschema
+
+    for doc in documents:
+        text = json.dumps(doc, separators=(",", ":"))
+        assert accepts(compiler, tokenizer, ConstraintSpec.json_schema(schema), text) == \
+            jsonschema.validators.validator_for(schema)(schema).is_valid(doc), (schema, text)
+
+
+def test_objects_admit_only_declared_properties_unless_the_schema_admits_more(compiler, tokenizer):
+    closed = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city", "zip"]}
+    spec = ConstraintSpec.json_schema(closed)
+    assert accepts(compiler, tokenizer, spec, '{"city":"Oslo","zip":1}')  # a required key it forgot to declare
+    assert not accepts(compiler, tokenizer, spec, '{"city":"Oslo","zip":1,"type":"object"}')  # undeclared
+    assert not accepts(compiler, tokenizer, spec, '{"city":"Oslo","city":"Oslo","zip":1}')  # duplicate
+    opened = {**closed, "additionalProperties": True}
+    assert accepts(compiler, tokenizer, ConstraintSpec.json_schema(opened), '{"city":"Oslo","zip":1,"x":2}')
+    opt_out = {**closed, "x-slotserve": {"strict": False}}
+    assert accepts(compiler, tokenizer, ConstraintSpec.json_schema(opt_out), '{"city":"Oslo","zip":1,"x":2}')
+    merged = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"properties": {"b": {"type": "integer"}}}]}  # closing a side would drop the other's keys
+    assert accepts(compiler, tokenizer, ConstraintSpec.json_schema(merged), '{"a":1,"b":2}')
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ("1.5", True), ("-0.001", True), ("12345678901234567", True), ("1234567.123456789", True), ("0", True),
+    ("123456789012345678", False), ("1.1234567891", False), ("1e5", False), ("1E+999", False),
+    ("12345678901234567.5", False),
+])
+def test_number_literals_carry_at_most_17_digits_9_decimals_and_no_exponent(compiler, tokenizer, text, ok):
+    assert accepts(compiler, tokenizer, ConstraintSpec.json_schema({"type": "number"}), text) is ok
+
+
+def test_number_bounds_and_second_fractions_stay_exact_within_the_narrowing(compiler, tokenizer):
+    bounded = ConstraintSpec.json_schema({"type": "number", "exclusiveMinimum": 0, "maximum": 10})
+    assert [accepts(compiler, tokenizer, bounded, t) for t in ("0", "0.5", "10", "10.5", "-1")] == \
+        [False, True, True, False, False]
+    assert not accepts(compiler, tokenizer, ConstraintSpec.json_schema({"type": "integer"}), "1" * 18)
+    stamp = ConstraintSpec.json_schema({"type": "string", "format": "date-time"})
+    assert accepts(compiler, tokenizer, stamp, '"2020-01-01T10:00:00.123456789+01:00"')
+    assert not accepts(compiler, tokenizer, stamp, '"2020-01-01T10:00:00.1234567891Z"')
+    assert not accepts(compiler, tokenizer, stamp, '"2020-13-01T10:00:00Z"')  # the format itself still holds
+
+
+def test_unknown_formats_are_plain_strings(compiler, tokenizer):
+    assert accepts(compiler, tokenizer, ConstraintSpec.json_schema({"type": "string", "format": "color"}), '"red"')
+
+
+CLOSED = {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}
+OBJECTS = [{}, {"a": 1}, {"b": 2}, {"c": 3}, {"a": 1, "b": 2}, {"a": 1, "c": 3}, {"b": 2, "c": 3},
+           {"a": 1, "b": 2, "c": 3}]
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": CLOSED, "additionalProperties": False, "dependentRequired": {"a": ["b"]}},
+    {"type": "object", "properties": CLOSED, "additionalProperties": False,
+     "dependentRequired": {"a": ["b"], "c": ["a"]}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": CLOSED,
+     "additionalProperties": False, "dependencies": {"b": ["c"]}},
+    {"type": "object", "properties": CLOSED, "additionalProperties": False,
+     "dependentSchemas": {"a": {"required": ["c"]}}},
+    {"type": "object", "properties": CLOSED, "additionalProperties": False, "not": {"required": ["b"]}},
+])
+def test_dependencies_and_not_required_are_rewritten_exactly(compiler, tokenizer, schema):
+    agrees_with_jsonschema(compiler, tokenizer, schema, OBJECTS)
+
+
+def test_not_of_a_type_is_the_other_types(compiler, tokenizer):
+    schema = {"not": {"type": ["string", "null"]}}
+    agrees_with_jsonschema(compiler, tokenizer, schema, ["x", None, 1, 1.5, True, [1], {}])
+
+
+def test_a_one_of_with_provably_disjoint_branches_is_enforced(compiler, tokenizer):
+    by_kind = {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+         "required": ["kind"], "additionalProperties": False},
+        {"type": "object", "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+         "required": ["kind"], "additionalProperties": False}]}
+    agrees_with_jsonschema(compiler, tokenizer, by_kind, [{"kind": "cat", "lives": 9}, {"kind": "dog", "good": True},
+                                                         {"kind": "cow"}, {"kind": "cat", "good": True}])
+    by_type = {"oneOf": [{"type": "string"}, {"type": "integer"}]}
+    agrees_with_jsonschema(compiler, tokenizer, by_type, ["x", 1, 1.5, None])
+    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}  # 1 matches both: still refused
+    with pytest.raises(UnsupportedConstraintError, match="oneOf"):
+        compiler.compile(ConstraintSpec.json_schema(overlapping))
+
+
+def test_unique_items_on_arrays_of_at_most_one_item_is_always_satisfied(compiler, tokenizer):
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 1, "uniqueItems": True}
+    agrees_with_jsonschema(compiler, tokenizer, schema, [[], [1], [1, 1]])

@@ -1,0 +1,170 @@
+"""Exact rewrites of JSON-schema keywords the grammar backends refuse into ones they enforce: each rewritten
+schema admits exactly the documents the original admits (nothing is approximated; what cannot be rewritten
+exactly is left for the backend to refuse, naming the keyword).
+
+* ``dependentRequired``, ``dependentSchemas`` (whose schemas only add properties and required keys) and
+  draft 7's ``dependencies``: an ``anyOf`` over which trigger keys are present, each branch the whole
+  object schema with the trigger forbidden, or required together with what it brings (at most 4 triggers).
+* ``not`` of a ``type`` (the complement of the types) or of ``required`` (some listed key absent).
+* ``oneOf`` whose branches are provably disjoint (distinct types, a required property whose const/enum
+  values differ, a required key the other branch's closed object cannot hold): exactly an ``anyOf``.
+* ``uniqueItems`` on arrays of at most one item: always satisfied, dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+MAX_TRIGGERS = 4  # dependency keys rewritten per object: the rewrite has 2^n branches
+TYPES = ("null", "boolean", "object", "array", "number", "string")  # "integer" is within "number"
+_OBJECT_KEYS = ("type", "properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                "maxProperties", "propertyNames")
+
+
+def rewrite(schema: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite ``schema`` in place (every subschema) and return it."""
+    root = schema
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        _dependencies(node)
+        _not(node)
+        _one_of(node, root)
+        if node.get("uniqueItems") and isinstance(node.get("maxItems"), int) and node["maxItems"] <= 1:
+            del node["uniqueItems"]
+        stack.extend(v for k, v in node.items() if isinstance(v, dict | list) and k not in ("enum", "const",
+                                                                                               "default", "examples"))
+    return schema
+
+
+# ---- dependencies --------------------------------------------------------------------------------
+
+
+def _dependencies(node: dict[str, Any]) -> None:
+    triggers: dict[str, tuple[list[str], dict[str, Any]]] = {}  # key -> (keys it requires, schema it brings)
+    for key, value in (node.get("dependencies") or {}).items():
+        triggers[key] = (value, {}) if isinstance(value, list) else ([], value)
+    for key, value in (node.get("dependentRequired") or {}).items():
+        triggers.setdefault(key, ([], {}))[0].extend(value)
+    for key, value in (node.get("dependentSchemas") or {}).items():
+        triggers.setdefault(key, ([], {}))
+        triggers[key] = (triggers[key][0], value)
+    if not triggers or len(triggers) > MAX_TRIGGERS or "anyOf" in node or not _plain_object(node):
+        return
+    if any(not isinstance(s, dict) or set(s) - {"properties", "required", "type"} or s.get("type", "object") != "object"
+           for _, s in triggers.values()):
+        return  # a dependent schema that does more than add properties: left for the backend to refuse
+    base = {k: v for k, v in node.items() if k not in ("dependencies", "dependentRequired", "dependentSchemas")}
+    branches = []
+    for present in itertools.product((False, True), repeat=len(triggers)):
+        branch = copy.deepcopy(base)
+        props = branch.setdefault("properties", {})
+        required = list(branch.get("required") or [])
+        for (key, (keys, brought)), on in zip(triggers.items(), present, strict=True):
+            if not on:
+                props[key] = False
+                continue
+            required += [key, *keys, *(brought.get("required") or [])]
+            for name, sub in (brought.get("properties") or {}).items():
+                props[name] = {"allOf": [props[name], sub]} if name in props else sub
+        if required:
+            branch["required"] = list(dict.fromkeys(required))
+        branches.append(branch)
+    node.clear()
+    node["anyOf"] = branches
+
+
+def _plain_object(node: dict[str, Any]) -> bool:
+    return node.get("type", "object") == "object" and all(
+        k in _OBJECT_KEYS or k in ("dependencies", "dependentRequired", "dependentSchemas", "title", "description",
+                                   "$schema", "$id", "$comment", "default", "examples")
+        for k in node)
+
+
+# ---- not -----------------------------------------------------------------------------------------
+
+
+def _not(node: dict[str, Any]) -> None:
+    negated = node.get("not")
+    if not isinstance(negated, dict) or len(negated) != 1:
+        return
+    if "type" in negated:
+        excluded = {negated["type"]} if isinstance(negated["type"], str) else set(negated["type"])
+        if "integer" in excluded and "number" not in excluded:
+            return  # "not an integer" admits 1.5: no set of types says that
+        own = node.get("type", list(TYPES))
+        own = [own] if isinstance(own, str) else list(own)
+        node["type"] = [t for t in own if ("number" if t == "integer" else t) not in excluded]
+        del node["not"]
+    elif isinstance(negated.get("required"), list) and len(negated["required"]) == 1:
+        node.setdefault("properties", {})[negated["required"][0]] = False  # "not all of [k]": k is absent
+        del node["not"]
+
+
+# ---- oneOf ---------------------------------------------------------------------------------------
+
+
+def _one_of(node: dict[str, Any], root: dict[str, Any]) -> None:
+    branches = node.get("oneOf")
+    if not isinstance(branches, list) or "anyOf" in node:
+        return
+    resolved = [_resolve(b, root) for b in branches]
+    if all(isinstance(b, dict) for b in resolved) and all(
+            _disjoint(a, b) for a, b in itertools.combinations(resolved, 2)):
+        node["anyOf"] = node.pop("oneOf")
+
+
+def _resolve(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#/") or depth > 8:
+        return schema
+    target: Any = root
+    for part in ref[2:].split("/"):
+        target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+    return _resolve(target, root, depth + 1) if isinstance(target, dict) else schema
+
+
+def _types(schema: dict[str, Any]) -> set[str] | None:
+    kind = schema.get("type")
+    if kind is None:
+        return None
+    kinds = {kind} if isinstance(kind, str) else set(kind)
+    return {"number" if k == "integer" else k for k in kinds}
+
+
+def _values(schema: Any) -> list[Any] | None:
+    if isinstance(schema, dict) and "const" in schema:
+        return [schema["const"]]
+    if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    return None
+
+
+def _disjoint(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    if (va := _values(a)) is not None and (vb := _values(b)) is not None:
+        return not any(x == y and type(x) is type(y) for x in va for y in vb)
+    return _object_disjoint(a, b) or _object_disjoint(b, a)
+
+
+def _object_disjoint(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Some key a requires that b cannot hold, or that both require with disjoint const/enum values."""
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    for key in a.get("required") or ():
+        if pb.get(key) is False or (b.get("additionalProperties") is False and key not in pb
+                                    and not b.get("patternProperties")):
+            return True
+        if key in (b.get("required") or ()):
+            va, vb = _values(pa.get(key)), _values(pb.get(key))
+            if va is not None and vb is not None and not any(x == y and type(x) is type(y) for x in va for y in vb):
+                return True
+    return False
