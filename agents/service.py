@@ -436,6 +436,10 @@ def response_format_spec(response_format: dict[str, Any] | None) -> ConstraintSp
         return None
     if kind == "json_object":
         return ConstraintSpec.json_object()
+    if kind == "regex":  # vLLM's structured_outputs extension (the server's own spelling)
+        return ConstraintSpec.regex(response_format.get("regex"))
+    if kind == "choice":
+        return ConstraintSpec.choice(response_format.get("choice") or [])
     if kind == "json_schema":
         body = response_format.get("json_schema") or {}
         if "schema" not in body:

@@ -154,6 +154,9 @@ class ConstraintSpec:
                 return answer
             raise UnsupportedConstraintError("tool_choice", "tool_choice 'required' without tools")
         payload: dict[str, Any] = {"mode": mode, "functions": functions}
+        if answer is not None and answer.kind not in ("json_schema", "json_object"):
+            raise UnsupportedConstraintError("tools with a regex or choice answer",
+                                             "with tools, an answer format must be a JSON schema")
         if answer is not None and mode == "auto":
             payload["answer"] = answer.schema
         return cls("tools", canonical_json(payload))

@@ -134,7 +134,7 @@ def _chat_logprob(state: ServerState, ev: TokenEvent) -> dict[str, Any]:
 
 
 def chat_params(body: ChatCompletionRequest, session_id: str | None, caller: Any = None) -> ChatParams:
-    rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
+    rf = body.output_format()
     tool_choice = body.tool_choice
     if tool_choice is not None and not isinstance(tool_choice, str):
         tool_choice = tool_choice.model_dump()
@@ -272,7 +272,7 @@ def _replay(answer: dict[str, Any], body: ChatCompletionRequest) -> Response:
 
 
 def _completion_params(body: CompletionRequest) -> ChatParams:
-    rf = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
+    rf = body.output_format()
     return ChatParams(
         prompt=body.prompt, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,

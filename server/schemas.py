@@ -127,6 +127,16 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` extension: exactly one of a regex, a list of choices, a JSON schema."""
+
+    regex: str | None = Field(None, max_length=16_000, description="the whole output matches this regex")
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024, description="the output is one of these")
+    json_: dict[str, Any] | bool | None = Field(None, alias="json", description="a JSON schema")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 # ---- requests -------------------------------------------------------------------------------------
 
 
@@ -153,6 +163,33 @@ class _Sampling(_Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=256,
                                    description="extension (as vLLM's): requests share cached prompt KV only with "
                                                "requests of the same agent that carry the same salt")
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension (as vLLM's)")
+    guided_regex: str | None = Field(None, max_length=16_000, description="extension (vLLM's older spelling)")
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024,
+                                            description="extension (vLLM's older spelling)")
+    guided_json: dict[str, Any] | bool | None = Field(None, description="extension (vLLM's older spelling)")
+
+    def output_format(self) -> dict[str, Any] | None:
+        """The requested output constraint as a response_format-shaped dict (regex and choice are internal
+        types); None when none is asked for. Two ways of asking at once are refused by `request_problem`."""
+        so = self.structured_outputs
+        regex = so.regex if so else self.guided_regex
+        choice = so.choice if so else self.guided_choice
+        schema = so.json_ if so else self.guided_json
+        if regex is not None:
+            return {"type": "regex", "regex": regex}
+        if choice is not None:
+            return {"type": "choice", "choice": choice}
+        if schema is not None:
+            return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+        rf = getattr(self, "response_format", None)
+        return rf.model_dump(by_alias=True, exclude_none=True) if rf is not None else None
+
+    def constraint_count(self) -> int:
+        so = self.structured_outputs
+        given = [so.regex, so.choice, so.json_] if so else []
+        given += [self.guided_regex, self.guided_choice, self.guided_json, getattr(self, "response_format", None)]
+        return sum(g is not None for g in given)
 
     @field_validator("stop")
     @classmethod
@@ -237,6 +274,9 @@ def request_problem(body: _Sampling) -> tuple[str, str, str] | None:
         return "n", "n > 1 is not supported: one choice per request", "unsupported_parameter"
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
         return "top_logprobs", "top_logprobs requires logprobs: true", "unsupported_parameter"
+    if body.constraint_count() > 1:
+        return ("structured_outputs", "ask for one output constraint: response_format, structured_outputs or one "
+                "guided_* field", "invalid_value")
     rf = body.response_format
     if isinstance(rf, ResponseFormatJSONSchema) and rf.json_schema.schema_ is None:
         return ("response_format.json_schema.schema", "response_format json_schema needs a schema (use type "

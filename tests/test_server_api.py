@@ -382,6 +382,24 @@ def test_tools_with_a_response_format_answer_with_a_call_or_a_document_of_the_sc
         assert r.choices[0].message.content.startswith('{"summary":')
 
 
+def test_regex_and_choice_constraints_are_reachable_as_vllm_spells_them(server, client):
+    import re
+
+    r = client.chat.completions.create(model="assistant", messages=USER, max_tokens=12,
+                                       extra_body={"structured_outputs": {"regex": "[a-c]{2,4}x"}})
+    assert re.fullmatch("[a-c]{2,4}x", r.choices[0].message.content), r.choices[0].message.content
+    r = client.chat.completions.create(model="assistant", messages=USER, max_tokens=12,
+                                       extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert r.choices[0].message.content in ("yes", "no", "maybe")
+    r = client.completions.create(model="assistant", prompt="Answer:", max_tokens=12,
+                                  extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert r.choices[0].text in ("left", "right")
+    both = {"model": "assistant", "messages": USER, "guided_regex": "a+", "response_format": {"type": "json_object"}}
+    assert _error(post(server, "/v1/chat/completions", both), 400)["param"] == "structured_outputs"
+    with_tools = {"model": "assistant", "messages": USER, "tools": TOOLS, "guided_regex": "a+"}
+    assert "regex" in _error(post(server, "/v1/chat/completions", with_tools), 400)["message"]
+
+
 def test_unsupported_schema_feature_is_400_naming_it(server):
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
     body = _error(post(server, "/v1/chat/completions", {"model": "assistant", "messages": USER,
