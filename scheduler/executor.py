@@ -64,7 +64,7 @@ def _prefill_rows(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
     logits = engine.prefill_rows([(chunk.seq.slot, chunk.tokens, chunk.start) for chunk in plan.rows])
     done = [chunk.seq for chunk in plan.rows if chunk.last]
     if done:
-        result = _sample_rows(engine, logits, done, np.zeros(engine.num_slots, np.int32))
+        result = _sample_rows(engine, logits, done, np.zeros(engine.num_slots, np.int32), out)
         for seq in done:
             out.first[seq.id] = (result, seq.slot)
 
@@ -80,18 +80,21 @@ def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
         steps[slot] = len(row.seq.generated)
         active[slot] = True
     logits = engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
-    out.decoded = _sample_rows(engine, logits, [row.seq for row in plan.decode], steps)
+    out.decoded = _sample_rows(engine, logits, [row.seq for row in plan.decode], steps, out)
     out.seconds["decode"] = time.perf_counter() - begin
 
 
-def _sample_rows(engine: Engine, logits, seqs, steps: np.ndarray) -> SampleResult:
-    """Sample every listed sequence's row of logits [S, V] (masks filled while the logits compute)."""
+def _sample_rows(engine: Engine, logits, seqs, steps: np.ndarray, out: StepOutcome) -> SampleResult:
+    """Sample every listed sequence's row of logits [S, V] (masks filled while the logits compute; the fill's
+    time is recorded in ``out``)."""
     active = np.zeros(engine.num_slots, bool)
     active[[seq.slot for seq in seqs]] = True
     constrained = [(seq.request.constraint, seq.slot) for seq in seqs if seq.request.constraint is not None]
     mask = None
     if constrained:
         mask = mask_buffer(engine, engine.num_slots)
+        begin = time.perf_counter()
         fill_masks(constrained, mask)
+        out.mask_fills.append((time.perf_counter() - begin, len(constrained)))
     return engine.sample(logits, active, steps, mask=mask,
                          needs_full=batch_needs_full(seq.request.sampling for seq in seqs))

@@ -101,3 +101,4 @@ class StepOutcome:
     decoded: SampleResult | None = None
     verified: dict[int, list[int]] = field(default_factory=dict)  # by sequence id
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of the decode / verify_rows step
+    mask_fills: list[tuple[float, int]] = field(default_factory=list)  # (seconds, constrained rows) per batched fill

@@ -52,6 +52,7 @@ from scheduler.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
 ROWS_VERIFY_COST_PRIOR = 1.5
+MASK_FILLS_KEPT = 4096  # grammar-mask fill timings kept for /metrics (a few minutes of constrained decoding)
 ROW_PREFILL_CHUNKS = 4  # prefills with at most this many smallest chunks left advance in the batched call
 
 
@@ -119,6 +120,8 @@ class Scheduler:
         # Wall seconds of recent decode steps and batched verify steps (moving averages), for the choice
         # between them; None until measured.
         self._step_seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
+        # The latest batched grammar-mask fills, (seconds, constrained rows): read by /metrics.
+        self.mask_fills: deque[tuple[float, int]] = deque(maxlen=MASK_FILLS_KEPT)
         self.failure: str | None = None  # why the engine loop died, once it has
         self.on_failure: Callable[[str], None] | None = None  # called on the engine thread after it died
 
@@ -399,6 +402,7 @@ class Scheduler:
                 self.stats.cache_hit_requests += seq.cached_tokens > 0
                 result, row = outcome.first[seq.id]
                 self._accept(seq, result, row)
+        self.mask_fills.extend(outcome.mask_fills)
         for kind, seconds in outcome.seconds.items():
             last = self._step_seconds[kind]
             self._step_seconds[kind] = seconds if last is None else 0.8 * last + 0.2 * seconds

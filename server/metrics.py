@@ -47,6 +47,18 @@ class _SchedulerCollector(Collector):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        fills = list(sched.mask_fills)
+        if fills:
+            step = sorted(f for f, _ in fills)
+            per_row = sorted(f / rows for f, rows in fills)
+            for name, values, doc in (
+                ("slotserve_mask_fill_seconds", step, "grammar-mask fill time per decode step (all constrained rows)"),
+                ("slotserve_mask_fill_per_row_seconds", per_row, "grammar-mask fill time per constrained token"),
+            ):
+                g = GaugeMetricFamily(name, doc + ", over the latest fills", labels=["quantile"])
+                for q in (0.5, 0.9, 0.99):
+                    g.add_metric([str(q)], values[min(len(values) - 1, int(q * len(values)))])
+                yield g
         for field, doc in (
             ("iterations", "scheduler iterations"),
             ("decode_steps", "batched decode steps"),

@@ -398,6 +398,8 @@ def test_regex_and_choice_constraints_are_reachable_as_vllm_spells_them(server, 
     assert _error(post(server, "/v1/chat/completions", both), 400)["param"] == "structured_outputs"
     with_tools = {"model": "assistant", "messages": USER, "tools": TOOLS, "guided_regex": "a+"}
     assert "regex" in _error(post(server, "/v1/chat/completions", with_tools), 400)["message"]
+    metrics = httpx.get(f"{server.url}/metrics").text  # constrained decoding's mask time is reported
+    assert 'slotserve_mask_fill_per_row_seconds{quantile="0.99"}' in metrics
 
 
 def test_unsupported_schema_feature_is_400_naming_it(server):

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Constrained requests a user sends, through HTTP, on the real default model: the share that finishes within
+max_tokens and validates, and the grammar-mask time per token at 8 slots.
+
+    python3 benchmarks/structured_http.py                     # 40 schemas + 12 tool calls, max_tokens 512
+    python3 benchmarks/structured_http.py --tree /tmp/before  # the same against another checkout (before/after)
+
+It starts `slotserve serve` from ``--tree`` (default: this repository) on a free port (default model, the
+server's CPU defaults: W8A8, int8 KV; 8 slots x 2048), then sends, 8 in flight:
+* JSON-schema requests (response_format json_schema) for a fixed seeded sample of the vendored
+  JSONSchemaBench schemas, the prompt naming the schema and its top-level properties;
+* tool calls: a one-argument and a three-argument function, tool_choice required and auto.
+Sampling is temperature 0.7 with a per-request seed (greedy outputs that repeat would flatter).
+Each outcome: refused (HTTP 400 naming a feature), valid (finished, validates), invalid (finished, does not
+validate: must be 0), cut (finish_reason length), error. The server's own mask timings come from /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.agents_http import host  # noqa: E402 - after the path set-up that makes it importable
+
+SUITE = ROOT / "tests" / "data" / "json-schema" / "jsonschemabench-sample"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "book_flight", "description": "Book a flight.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "origin": {"type": "string"}, "destination": {"type": "string"},
+                                          "date": {"type": "string", "format": "date"}},
+                                          "required": ["origin", "destination", "date"]}}},
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tree: Path, port: int, max_tokens: int) -> subprocess.Popen:
+    config = Path(tempfile.mkdtemp()) / "bench.yaml"
+    config.write_text(f"model:\n  slots: 8\n  max_len: 2048\n  chunk_sizes: [32, 128, 512]\n"
+                      f"limits:\n  max_tokens: {max_tokens}\nserver:\n  port: {port}\n  log_level: warning\n")
+    code = "import sys; from server.cli import main; sys.exit(main())"
+    return subprocess.Popen([sys.executable, "-c", code, "serve", "--config", str(config)], cwd=tree,
+                            env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1200) -> float:
+    begin = time.monotonic()
+    while time.monotonic() - begin < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return time.monotonic() - begin
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit("the server did not become ready")
+
+
+def schema_requests(count: int, seed: int, max_tokens: int) -> list[dict[str, Any]]:
+    files = sorted(SUITE.glob("*.json"))
+    chosen = random.Random(seed).sample(files, count)
+    out = []
+    for i, path in enumerate(chosen):
+        schema = json.loads(path.read_text())["schema"]
+        fields = list((schema.get("properties") or {}) if isinstance(schema, dict) else [])[:12]
+        name = path.stem.split("---")[-1]
+        prompt = f"Write one realistic JSON document for the schema {name!r}" + (
+            f" with the fields {', '.join(fields)}." if fields else ".")
+        out.append({"kind": "schema", "name": path.name, "schema": schema, "body": {
+            "model": "assistant", "max_tokens": max_tokens, "temperature": 0.7, "seed": i,
+            "messages": [{"role": "user", "content": prompt}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}}})
+    return out
+
+
+def tool_requests(max_tokens: int) -> list[dict[str, Any]]:
+    asks = ["What is the weather in Oslo?", "Book me a flight from Paris to Rome on 2026-12-24.",
+            "Is it raining in Lima?"]
+    out = []
+    for i in range(12):
+        choice = "required" if i % 2 == 0 else "auto"
+        out.append({"kind": "tool", "name": f"tool-{choice}-{i}", "body": {
+            "model": "assistant", "max_tokens": max_tokens, "temperature": 0.7, "seed": 100 + i, "tools": TOOLS,
+            "tool_choice": choice, "messages": [{"role": "user", "content": asks[i % len(asks)]}]}})
+    return out
+
+
+def classify(req: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str, Any]:
+    if status == 400:
+        return {"outcome": "refused", "feature": body.get("error", {}).get("param")}
+    if status != 200:
+        return {"outcome": "error", "status": status}
+    choice = body["choices"][0]
+    tokens = body["usage"]["completion_tokens"]
+    if choice["finish_reason"] == "length":
+        return {"outcome": "cut", "tokens": tokens}
+    message = choice["message"]
+    try:
+        if req["kind"] == "schema":
+            jsonschema.validate(json.loads(message["content"]), req["schema"])
+        elif message.get("tool_calls"):
+            call = message["tool_calls"][0]["function"]
+            params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["name"])
+            jsonschema.validate(json.loads(call["arguments"]), params)
+        else:
+            return {"outcome": "text", "tokens": tokens}  # tool_choice auto answered in text
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as e:
+        return {"outcome": "invalid", "tokens": tokens, "why": str(e)[:200]}
+    return {"outcome": "valid", "tokens": tokens}
+
+
+async def run_all(url: str, requests: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=1800) as client:
+        async def one(req: dict[str, Any]) -> dict[str, Any]:
+            async with gate:
+                begin = time.perf_counter()
+                r = await client.post(f"{url}/v1/chat/completions", json=req["body"])
+                result = classify(req, r.status_code, r.json())
+                return {"kind": req["kind"], "name": req["name"], "seconds": round(time.perf_counter() - begin, 2),
+                        **result}
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+
+def mask_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.findall(r'^(slotserve_mask_fill\w*)\{quantile="([\d.]+)"\} (\S+)$', text, re.M)
+    return {f"{name}_p{round(float(q) * 100)}_ms": round(float(v) * 1000, 3) for name, q, v in found}
+
+
+def summary(results: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    mine = [r for r in results if r["kind"] == kind]
+    counts: dict[str, int] = {}
+    for r in mine:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    constrained = [r for r in mine if r["outcome"] != "refused"]
+    return {"requests": len(mine), **counts,
+            "finished_valid_share_of_constrained": round(counts.get("valid", 0) / max(len(constrained), 1), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose server is measured")
+    parser.add_argument("--schemas", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "structured-http-cpu.json")
+    args = parser.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args.tree.resolve(), port, args.max_tokens)
+    try:
+        ready_s = wait_ready(url, proc)
+        requests = schema_requests(args.schemas, args.seed, args.max_tokens) + tool_requests(args.max_tokens)
+        begin = time.perf_counter()
+        results = asyncio.run(run_all(url, requests, args.concurrency))
+        wall = time.perf_counter() - begin
+        masks = mask_metrics(url)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    tree_commit = subprocess.run(["git", "-C", str(args.tree), "rev-parse", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip()
+    run = {"label": args.label, "tree_commit": tree_commit, "ready_s": round(ready_s, 1), "wall_s": round(wall, 1),
+           "schemas": summary(results, "schema"), "tools": summary(results, "tool"), "mask": masks,
+           "results": results}
+    report = json.loads(args.out.read_text()) if args.out.exists() else {}
+    report.setdefault("meta", {}).update({
+        "command": "python3 benchmarks/structured_http.py " + " ".join(sys.argv[1:]),
+        "host": host(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workload": f"{args.schemas} JSONSchemaBench schemas (seed {args.seed}) + 12 tool calls, max_tokens "
+                    f"{args.max_tokens}, temperature 0.7, {args.concurrency} in flight, default model via HTTP"})
+    report.setdefault("runs", {})[args.label] = run
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in run.items() if k != "results"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
