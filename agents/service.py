@@ -26,7 +26,7 @@ from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreEr
 from core.sampling import SamplingParams
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
-from scheduler.tool_calls import ToolCallStream, begins_call, parse_partial_call, parse_tool_calls
+from scheduler.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,9 @@ class ChatParams:
     truncation: str | None = None  # "auto" | "disabled"; None: the agent's
     instructions: str | None = None  # a system message for this request only: rendered first, never stored
     only_new: bool = False  # the messages are only what follows the session's history (never a resent history)
+    # True: up to MAX_PARALLEL_CALLS calls in one turn. Not given: one (unlike OpenAI's default, since a small
+    # model offered more calls tends to run on into calls nobody asked for).
+    parallel_tool_calls: bool | None = None
 
 
 class InvalidRequestError(ValueError):
@@ -363,9 +366,9 @@ class Outcome:
         return out
 
 
-def _with_id(calls: list[dict[str, Any]], call_id: str | None) -> list[dict[str, Any]]:
-    if call_id is not None:
-        calls[0]["id"] = call_id
+def _with_ids(calls: list[dict[str, Any]], call_ids: list[str] | None) -> list[dict[str, Any]]:
+    for call, call_id in zip(calls, call_ids or (), strict=False):
+        call["id"] = call_id
     return calls
 
 
@@ -553,8 +556,9 @@ class ChatService:
         response_format = p.response_format if p.response_format is not None else agent.response_format
         format_spec = response_format_spec(response_format)
         # With both, the model calls a tool (as tool_choice allows) or answers with a document of the format.
-        spec = ConstraintSpec.tools(tools, choice, answer=format_spec) if tools or choice not in ("auto", "none") \
-            else format_spec
+        spec = format_spec
+        if tools or choice not in ("auto", "none"):
+            spec = ConstraintSpec.tools(tools, choice, answer=format_spec, parallel=p.parallel_tool_calls is True)
         described = tools if tools and choice != "none" else None
         return spec, described
 
@@ -676,23 +680,23 @@ class ChatService:
             return RenderedPrompt(list(prompt), 0, "")
         return self.runtime.template.render_completion(prompt, max_prompt_tokens=self.prompt_limit(agent))
 
-    def finish(self, gen: Generation, text: str, reason: FinishReason, call_id: str | None = None) -> Outcome:
+    def finish(self, gen: Generation, text: str, reason: FinishReason, call_ids: list[str] | None = None) -> Outcome:
         """The assistant message for the generated ``text`` (tool calls parsed) and the OpenAI finish reason.
-        ``call_id``: the id the stream already gave the call. A call cut short by max_tokens is still the
+        ``call_ids``: the ids the stream already gave the calls. A call cut short by max_tokens is still the
         call it was becoming (finish reason "length"), never leaked into the content."""
         finish = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(reason, str(reason))
         if gen.tool_mode is not None:
             try:
                 calls = parse_tool_calls(text, gen.spec)
             except ValueError:  # cut short (max_tokens, a stop sequence)
-                partial = parse_partial_call(text, gen.tool_mode)
-                if partial is not None:
-                    return Outcome(None, _with_id([partial], call_id), finish)
+                partial = parse_partial_calls(text, gen.tool_mode)
+                if partial:
+                    return Outcome(None, _with_ids(partial, call_ids), finish)
                 if begins_call(text, gen.tool_mode):  # cut before it named a function: nothing usable
                     return Outcome("", None, finish)
                 calls = None
             if calls:
-                return Outcome(None, _with_id(calls, call_id), "tool_calls")
+                return Outcome(None, _with_ids(calls, call_ids), "tool_calls")
         return Outcome(text, None, finish)
 
     def call_stream(self, gen: Generation) -> ToolCallStream:

@@ -16,6 +16,7 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from core.tokenizer import Tokenizer
 from scheduler.grammar_backends import Backend, GrammarMatcher, prepare_schema
 from scheduler.grammar_spec import (
+    MAX_PARALLEL_CALLS,
     ConstraintSpec,
     UnsupportedConstraintError,
     canonical_json,
@@ -131,11 +132,13 @@ def _llg_json(schema: Any) -> dict[str, Any]:
 
 
 def _tools_lark(spec: ConstraintSpec) -> str:
-    answer = spec.answer_schema
+    answer, marker = spec.answer_schema, json.dumps(TOOL_CALL_MARKER)
     if spec.tool_mode != "auto":
-        lines = ["start: call"]
+        lines = ["start: calls"]
     else:
-        lines = [f"start: {'answer' if answer is not None else 'TEXT'} | {json.dumps(TOOL_CALL_MARKER)} call"]
+        lines = [f"start: {'answer' if answer is not None else 'TEXT'} | {marker} calls"]
+    count = MAX_PARALLEL_CALLS if spec.parallel else 1  # calls: call (marker call)*, written out to its bound
+    lines.append("calls: " + " | ".join(" ".join(["call"] + [f"{marker} call"] * n) for n in range(count)))
     functions = spec.functions
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
     for i, fn in enumerate(functions):

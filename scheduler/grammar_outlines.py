@@ -15,6 +15,7 @@ import numpy as np
 from core.tokenizer import Tokenizer
 from scheduler.grammar_backends import Backend, GrammarMatcher, prepare_schema
 from scheduler.grammar_spec import (
+    MAX_PARALLEL_CALLS,
     ConstraintSpec,
     UnsupportedConstraintError,
     canonical_json,
@@ -221,7 +222,9 @@ def outlines_regex(spec: ConstraintSpec) -> str:
         except UnsupportedConstraintError as e:
             raise UnsupportedConstraintError(e.feature, f"parameters of {fn['name']!r}: {e.detail}") from None
         calls.append(regex_literal(canonical_json({"name": fn["name"]})[:-1] + ',"arguments":') + args + r"\x7D")
-    call = "(?:" + "|".join(calls) + ")"
+    one = "(?:" + "|".join(calls) + ")"
+    more = MAX_PARALLEL_CALLS - 1 if spec.parallel else 0
+    call = f"{one}(?:{regex_literal(TOOL_CALL_MARKER)}{one}){{0,{more}}}" if more else one
     if spec.tool_mode == "auto":
         answer = not_prefixed_regex(TOOL_CALL_MARKER) if spec.answer_schema is None else _oc_schema_regex(
             spec.answer_schema)

@@ -24,6 +24,7 @@ __all__ = [
 KINDS = ("json_schema", "json_object", "regex", "choice", "tools")
 # OpenAI's rule for function names; it also keeps names safe to splice into grammar literals.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_PARALLEL_CALLS = 4  # calls in one output with parallel tool calls: enough for agents, bounded for small models
 # OpenAI: a function without `parameters` takes none.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -121,12 +122,13 @@ class ConstraintSpec:
     @classmethod
     def tools(
         cls, tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] = "auto",
-        answer: ConstraintSpec | None = None,
+        answer: ConstraintSpec | None = None, parallel: bool = False,
     ) -> ConstraintSpec | None:
         """OpenAI ``tools`` + ``tool_choice``; None when the output is unconstrained ("none", or "auto"
         without tools). Descriptions do not shape the grammar and are dropped from the spec. ``answer`` (a
         json_schema or json_object spec): what an answer that is not a call must be, in "auto" mode (the
-        grammar admits exactly a call or such a document); None: free text."""
+        grammar admits exactly a call or such a document); None: free text. ``parallel``: up to
+        `MAX_PARALLEL_CALLS` calls in one output, each after the first preceded by the call marker."""
         if tool_choice == "none":
             return answer
         functions = _normalize_tools(tools or [])
@@ -154,6 +156,8 @@ class ConstraintSpec:
                 return answer
             raise UnsupportedConstraintError("tool_choice", "tool_choice 'required' without tools")
         payload: dict[str, Any] = {"mode": mode, "functions": functions}
+        if parallel:
+            payload["parallel"] = True
         if answer is not None and answer.kind not in ("json_schema", "json_object"):
             raise UnsupportedConstraintError("tools with a regex or choice answer",
                                              "with tools, an answer format must be a JSON schema")
@@ -185,6 +189,11 @@ class ConstraintSpec:
     def functions(self) -> list[dict[str, Any]]:
         """[{"name", "parameters"}] in declaration order."""
         return self._tools()["functions"]
+
+    @property
+    def parallel(self) -> bool:
+        """Whether one output may hold several calls."""
+        return bool(self._tools().get("parallel"))
 
     @property
     def answer_schema(self) -> Any:

@@ -45,60 +45,89 @@ class ToolCallStream:
     """Feeds on generated text; `push` returns what is final so far: answer text (str) and `CallPiece`s.
 
     ``mode`` is None (no tools: everything is text), "auto" (text unless it starts with the marker) or
-    "required" (the whole output is a call). Text that may still become the marker is held; so is the
-    last character of a call's arguments (it may be the call object's closing brace).
+    "required" (the output is calls). Text that may still become the marker is held. A call's arguments are
+    given out as they arrive; the call object's closing brace is not (its arguments' end is found by
+    tracking JSON nesting). After a call, the marker may start the next one (parallel calls).
     """
 
     def __init__(self, mode: str | None) -> None:
         self.mode = mode
         self.state = "text" if mode is None else ("deciding" if mode == "auto" else "head")
-        self.buffer = ""  # undecided text, or the call's head, or its arguments not yet given out
-        self.call: CallPiece | None = None
-        self.sent = 0  # characters of the call's arguments given out
+        self.buffer = ""  # undecided text, or a call's head, or text after a call
+        self.calls: list[CallPiece] = []  # the calls started so far (first pieces)
+        self._depth = 0  # JSON nesting inside the current call's arguments
+        self._in_string = self._escaped = False
 
     def push(self, text: str) -> list[str | CallPiece]:
         if self.state == "text":
             return [text] if text else []
         self.buffer += text
         out: list[str | CallPiece] = []
+        while True:
+            before = (self.state, len(self.buffer))
+            out += self._advance()
+            if (self.state, len(self.buffer)) == before:
+                return out
+
+    def _advance(self) -> list[str | CallPiece]:
         if self.state == "deciding":
             if self.buffer.startswith(TOOL_CALL_MARKER):
                 self.state, self.buffer = "head", self.buffer[len(TOOL_CALL_MARKER):]
             elif not TOOL_CALL_MARKER.startswith(self.buffer):
-                self.state = "text"
-                out.append(self.buffer)
-                self.buffer = ""
-                return out
-            else:
-                return out
+                self.state, text, self.buffer = "text", self.buffer, ""
+                return [text]
+            return []
         if self.state == "head":
             head = _CALL_HEAD.match(self.buffer)
             if head is None:
-                return out
-            self.call = CallPiece(0, new_call_id(), json.loads(head.group(1)))
-            out.append(CallPiece(0, self.call.call_id, self.call.name, first=True))
+                return []
+            call = CallPiece(len(self.calls), new_call_id(), json.loads(head.group(1)), first=True)
+            self.calls.append(call)
             self.state, self.buffer = "arguments", self.buffer[head.end():]
-        if self.state == "arguments" and len(self.buffer) - 1 > self.sent:
-            out.append(CallPiece(0, self.call.call_id, self.call.name, self.buffer[self.sent:-1]))
-            self.sent = len(self.buffer) - 1
-        return out
+            self._depth, self._in_string, self._escaped = 0, False, False
+            return [call]
+        if self.state == "arguments":
+            end = self._arguments_end()
+            piece, self.buffer = (self.buffer, "") if end is None else (self.buffer[:end], self.buffer[end:])
+            if end is not None:
+                self.state = "after"
+            call = self.calls[-1]
+            return [CallPiece(call.index, call.call_id, call.name, piece)] if piece else []
+        # After the arguments: the call object's closing brace, then the end or the next call's marker.
+        if self.state == "after" and self.buffer.startswith("}" + TOOL_CALL_MARKER):
+            self.state, self.buffer = "head", self.buffer[1 + len(TOOL_CALL_MARKER):]
+        return []
 
-    def finish(self, complete: bool) -> list[str | CallPiece]:
-        """What is still held once generation ended; ``complete``: the output parsed as a whole call, so its
-        last character is the object's closing brace, not arguments."""
+    def _arguments_end(self) -> int | None:
+        """Where the arguments' JSON value ends in the buffer (scanning it once), or None if not yet."""
+        for i, ch in enumerate(self.buffer):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
+
+    def finish(self) -> list[str | CallPiece]:
+        """What is still held once generation ended: undecided text (it was an answer after all)."""
         if self.state in ("text", "deciding"):
             rest, self.buffer = self.buffer, ""
             return [rest] if rest else []
-        if self.state != "arguments":
-            return []
-        end = len(self.buffer) - 1 if complete else len(self.buffer)
-        rest = self.buffer[self.sent:end]
-        self.sent = end
-        return [CallPiece(0, self.call.call_id, self.call.name, rest)] if rest else []
+        return []
 
     @property
-    def call_started(self) -> bool:
-        return self.call is not None
+    def call_ids(self) -> list[str]:
+        return [c.call_id for c in self.calls]
 
 
 def _call_json(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
@@ -107,7 +136,7 @@ def _call_json(name: str, arguments: str, call_id: str | None = None) -> dict[st
 
 def parse_tool_calls(text: str, spec: Any) -> list[dict[str, Any]] | None:
     """The OpenAI ``tool_calls`` list for a finished output of a tools `ConstraintSpec`, or None for an
-    answer (auto mode). ValueError when the output is not a complete call (e.g. cut by max_tokens).
+    answer (auto mode). ValueError when the output is not complete calls (e.g. cut by max_tokens).
     ``arguments`` is the generated JSON text itself, as it was streamed."""
     if spec.kind != "tools":
         raise ValueError(f"not a tools constraint: {spec.kind}")
@@ -116,18 +145,25 @@ def parse_tool_calls(text: str, spec: Any) -> list[dict[str, Any]] | None:
         if not text.startswith(TOOL_CALL_MARKER):
             return None
         text = text[len(TOOL_CALL_MARKER):]
-    try:
-        call = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"incomplete or malformed tool call: {e}") from None
-    if not (isinstance(call, dict) and call.keys() == {"name", "arguments"} and call["name"] in names):
-        raise ValueError("the output is not a call of a declared function")
-    head = _CALL_HEAD.match(text)
-    if head is not None and text.rstrip().endswith("}"):
-        arguments = text[head.end():text.rstrip().rfind("}")].strip()
-    else:  # not the grammar's own layout (hand-written text): normalise
-        arguments = json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))
-    return [_call_json(call["name"], arguments)]
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while True:
+        try:
+            call, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"incomplete or malformed tool call {len(calls)}: {e}") from None
+        if not (isinstance(call, dict) and call.keys() == {"name", "arguments"} and call["name"] in names):
+            raise ValueError(f"output {len(calls)} is not a call of a declared function")
+        head = _CALL_HEAD.match(text, at)
+        if head is not None and text[end - 1] == "}":
+            arguments = text[head.end():end - 1]
+        else:  # not the grammar's own layout (hand-written text): normalise
+            arguments = json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))
+        calls.append(_call_json(call["name"], arguments))
+        if not text[end:].strip():
+            return calls
+        if not (spec.parallel and text.startswith(TOOL_CALL_MARKER, end)):
+            raise ValueError("text after the tool call")
+        at = end + len(TOOL_CALL_MARKER)
 
 
 def begins_call(text: str, mode: str) -> bool:
@@ -135,12 +171,13 @@ def begins_call(text: str, mode: str) -> bool:
     return mode != "auto" or text.startswith(TOOL_CALL_MARKER)
 
 
-def parse_partial_call(text: str, mode: str) -> dict[str, Any] | None:
-    """A call cut short (max_tokens) as the call it was becoming: its name and the arguments so far; None
-    if the output had not got as far as naming a function."""
-    if mode == "auto":
-        if not text.startswith(TOOL_CALL_MARKER):
-            return None
-        text = text[len(TOOL_CALL_MARKER):]
-    head = _CALL_HEAD.match(text)
-    return _call_json(json.loads(head.group(1)), text[head.end():]) if head is not None else None
+def parse_partial_calls(text: str, mode: str) -> list[dict[str, Any]]:
+    """Calls cut short (max_tokens): the complete ones, then the one it was becoming (its name and the
+    arguments so far); empty if the output had not got as far as naming a function."""
+    stream = ToolCallStream(mode)
+    pieces = stream.push(text)
+    arguments: dict[str, str] = {}
+    for piece in pieces:
+        if isinstance(piece, CallPiece):
+            arguments[piece.call_id] = arguments.get(piece.call_id, "") + piece.arguments
+    return [_call_json(c.name, arguments[c.call_id]) for c in stream.calls]

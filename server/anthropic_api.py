@@ -111,9 +111,11 @@ def _params(request: Request, body: MessagesRequest | CountTokensRequest, caller
     fmt = body.output_config.format if body.output_config else None
     response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt \
         else None
+    parallel = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use is False
     params = ChatParams(messages=chat_messages(body.system_text(), body.messages), tools=tools,
                         tool_choice=_tool_choice(body.tool_choice), response_format=response_format,
-                        session_id=session_id_of(request, None), caller=caller)
+                        session_id=session_id_of(request, None), caller=caller,
+                        parallel_tool_calls=parallel)
     if isinstance(body, MessagesRequest):
         params.max_tokens, params.temperature, params.top_p = body.max_tokens, body.temperature, body.top_p
         params.top_k, params.stop = body.top_k, body.stop_sequences

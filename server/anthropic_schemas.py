@@ -71,7 +71,7 @@ class Tool(_Strict):
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(None, pattern=_TOOL_NAME)
-    disable_parallel_tool_use: bool | None = Field(None, description="accepted: one call per turn at most")
+    disable_parallel_tool_use: bool | None = Field(None, description="false: up to 4 calls; otherwise one")
 
 
 class Metadata(_Strict):

@@ -149,6 +149,7 @@ def chat_params(body: ChatCompletionRequest, session_id: str | None, caller: Any
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None,
         tool_choice=tool_choice, ignore_eos=bool(body.ignore_eos), session_id=session_id, user=body.user,
         cache_salt=body.cache_salt, caller=caller, truncation=body.truncation,
+        parallel_tool_calls=body.parallel_tool_calls,
     )
 
 

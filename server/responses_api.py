@@ -175,7 +175,8 @@ def _params(body: ResponsesRequest, messages: list[dict[str, Any]], sid: str | N
         messages=messages, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, response_format=_response_format(body), tools=tools, tool_choice=_tool_choice(body),
         session_id=sid, user=body.user or body.safety_identifier, cache_salt=body.cache_salt, caller=caller,
-        truncation=body.truncation, instructions=body.instructions, only_new=only_new)
+        truncation=body.truncation, instructions=body.instructions, only_new=only_new,
+        parallel_tool_calls=False if body.max_tool_calls == 1 else body.parallel_tool_calls)
 
 
 # ---- responses out ---------------------------------------------------------------------------------

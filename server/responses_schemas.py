@@ -174,8 +174,9 @@ class ResponsesRequest(_Strict):
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | AllowedTools | None = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted; at most one call is made per turn")
-    max_tool_calls: int | None = Field(None, ge=1, description="accepted; at most one call is made per turn")
+    parallel_tool_calls: bool | None = Field(None, description="true: up to 4 calls in one turn; otherwise "
+                                                                "(the default here) one")
+    max_tool_calls: int | None = Field(None, ge=1, description="1 makes at most one call; more: up to 4 per turn")
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

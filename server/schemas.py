@@ -234,7 +234,8 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted; at most one call is made per turn")
+    parallel_tool_calls: bool | None = Field(None, description="true: up to 4 calls in one turn; otherwise "
+                                                                "(the default here) one")
     modalities: list[Literal["text"]] | None = None
     # Sent by frameworks and proxies; none changes what is generated here, so each is accepted as a no-op.
     store: bool | None = Field(None, description="no-op: chat completions are not stored (sessions are: "

@@ -209,11 +209,10 @@ class Turn:
                     status = error.status
                     yield Failed(error)
                     return
-                call_id = calls.call.call_id if calls.call_started else None
-                outcome = service.finish(gen, "".join(parts), ev.reason, call_id)
+                outcome = service.finish(gen, "".join(parts), ev.reason, calls.call_ids)
                 # Generation finished: the turn is committed whether or not the client stays to the end.
                 commit = in_background(self.state, service.commit(gen, outcome))
-                yield Finished(outcome, ev, tail + calls.finish(complete=outcome.finish_reason == "tool_calls"))
+                yield Finished(outcome, ev, tail + calls.finish())
                 try:
                     session = await asyncio.shield(commit)
                     if self.after_commit is not None:

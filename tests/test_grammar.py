@@ -439,6 +439,18 @@ def test_tool_choice_required(compiler, tokenizer):
     assert json.loads(parsed["function"]["arguments"]) == {"city": "Zürich", "unit": "C"}
 
 
+def test_parallel_tool_calls_admit_up_to_four_calls_and_none_means_one(compiler, tokenizer):
+    call = call_text("add", {"a": 1, "b": 2})
+    for mode, lead in (("required", ""), ("auto", TOOL_CALL_MARKER)):
+        parallel = ConstraintSpec.tools([WEATHER, ADD], mode, parallel=True)
+        single = ConstraintSpec.tools([WEATHER, ADD], mode)
+        two = lead + call + TOOL_CALL_MARKER + call_text("get_weather", {"city": "Paris"})
+        assert accepts(compiler, tokenizer, parallel, two) and not accepts(compiler, tokenizer, single, two)
+        assert accepts(compiler, tokenizer, parallel, lead + TOOL_CALL_MARKER.join([call] * 4))
+        assert not accepts(compiler, tokenizer, parallel, lead + TOOL_CALL_MARKER.join([call] * 5))
+        assert len(parse_tool_calls(two, parallel)) == 2
+
+
 def test_tool_choice_named(compiler, tokenizer):
     spec = ConstraintSpec.tools([WEATHER, ADD], {"type": "function", "function": {"name": "add"}})
     assert accepts(compiler, tokenizer, spec, call_text("add", {"a": 1, "b": 2}))

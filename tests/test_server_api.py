@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 from test_server_helpers import LiveServer, server_config, tiny_runtime, wait_until
 
-from agents.service import ChatService
+from agents.service import ChatParams, ChatService
 from agents.spec import AgentSpec
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import FinishReason
@@ -162,6 +162,24 @@ def test_tool_calls_required_and_named(client, choice):
     jsonschema.validate(args, params[call.function.name])
     if isinstance(choice, dict):
         assert call.function.name == "get_weather"
+
+
+def test_parallel_tool_calls_true_admits_several_calls_and_otherwise_one(client):
+    for seed in range(4):
+        r = client.chat.completions.create(model="assistant", messages=USER, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=48, temperature=1.0, seed=seed)
+        assert len(r.choices[0].message.tool_calls) == 1
+    def spec(**kw):
+        return ChatService.constraint_spec(None, AgentSpec(name="x"), ChatParams(tools=TOOLS, **kw))[0]
+
+    assert spec(parallel_tool_calls=True).parallel and not spec().parallel
+    # streamed, several calls arrive as separate indexed calls
+    chunks = list(client.chat.completions.create(model="assistant", messages=USER, tools=TOOLS, stream=True,
+                                                 tool_choice="required", parallel_tool_calls=True, max_tokens=120,
+                                                 temperature=1.0, seed=3))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    heads = [tc for tc in calls if tc.id]
+    assert [h.index for h in heads] == list(range(len(heads))) and 1 <= len(heads) <= 4
 
 
 def test_allowed_tools_choice_calls_only_a_listed_function(client):

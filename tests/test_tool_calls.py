@@ -8,7 +8,7 @@ import json
 import pytest
 
 from scheduler.grammar_spec import ConstraintSpec
-from scheduler.tool_calls import TOOL_CALL_MARKER, CallPiece, ToolCallStream, parse_partial_call, parse_tool_calls
+from scheduler.tool_calls import TOOL_CALL_MARKER, CallPiece, ToolCallStream, parse_partial_calls, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -30,7 +30,7 @@ def test_a_streamed_call_gives_its_head_then_arguments_that_add_up_to_the_parsed
     pieces = feed(stream, text, size)
     spec = ConstraintSpec.tools(TOOLS, mode)
     [call] = parse_tool_calls(text, spec)
-    pieces += stream.finish(complete=True)
+    pieces += stream.finish()
     assert not any(isinstance(p, str) for p in pieces)  # nothing of a call leaks as text
     head, *rest = pieces
     assert head.first and head.name == "get_weather" and head.arguments == ""
@@ -45,17 +45,18 @@ def test_text_flows_once_it_cannot_be_the_marker_and_is_held_while_it_can():
     stream = ToolCallStream("auto")
     assert stream.push("<to") == [] and stream.push("mato") == ["<tomato"] and stream.push("!") == ["!"]
     held = ToolCallStream("auto")
-    assert held.push("<tool_") == [] and held.finish(complete=False) == ["<tool_"]
+    assert held.push("<tool_") == [] and held.finish() == ["<tool_"]
     assert ToolCallStream(None).push("<tool_call>") == ["<tool_call>"]  # no tools: all text
 
 
 def test_a_call_cut_short_is_the_call_it_was_becoming():
     text = TOOL_CALL_MARKER + '{"name":"get_weather","arguments":{"ci'
     stream = ToolCallStream("auto")
-    pieces = feed(stream, text, 3) + stream.finish(complete=False)
+    pieces = feed(stream, text, 3) + stream.finish()
     assert "".join(p.arguments for p in pieces) == '{"ci'
-    assert parse_partial_call(text, "auto")["function"] == {"name": "get_weather", "arguments": '{"ci'}
-    assert parse_partial_call(TOOL_CALL_MARKER + '{"na', "auto") is None
+    [partial] = parse_partial_calls(text, "auto")
+    assert partial["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert parse_partial_calls(TOOL_CALL_MARKER + '{"na', "auto") == []
     with pytest.raises(ValueError):
         parse_tool_calls(text, ConstraintSpec.tools(TOOLS, "auto"))
 
@@ -67,3 +68,21 @@ def test_tools_with_an_answer_format_make_one_spec_and_none_leaves_the_format():
     assert ConstraintSpec.tools(TOOLS, "required", answer=answer).answer_schema is None  # must call
     assert ConstraintSpec.tools(TOOLS, "none", answer=answer) == answer
     assert ConstraintSpec.tools(None, "auto", answer=answer) == answer
+
+
+TWO = '{"name":"get_weather","arguments":{"city":"Oslo"}}' + TOOL_CALL_MARKER + \
+    '{"name":"get_weather","arguments":{"city":"a}\\"<tool_call>"}}'
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_parallel_calls_stream_as_separate_indexed_calls(size):
+    stream = ToolCallStream("required")
+    pieces = feed(stream, TWO, size) + stream.finish()
+    heads = [p for p in pieces if p.first]
+    assert [h.index for h in heads] == [0, 1] and heads[0].call_id != heads[1].call_id
+    args = ["".join(p.arguments for p in pieces if p.index == i) for i in (0, 1)]
+    assert args == ['{"city":"Oslo"}', '{"city":"a}\\"<tool_call>"}']  # a brace and the marker inside a string
+    spec = ConstraintSpec.tools(TOOLS, "required", parallel=True)
+    assert [c["function"]["arguments"] for c in parse_tool_calls(TWO, spec)] == args
+    with pytest.raises(ValueError):  # without parallel calls, a second call is not a call output
+        parse_tool_calls(TWO, ConstraintSpec.tools(TOOLS, "required"))
