@@ -26,7 +26,7 @@ from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreEr
 from core.sampling import SamplingParams
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
-from scheduler.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls
+from scheduler.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
 
 log = logging.getLogger(__name__)
 
@@ -686,22 +686,25 @@ class ChatService:
         call it was becoming (finish reason "length"), never leaked into the content."""
         finish = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(reason, str(reason))
         if gen.tool_mode is not None:
+            after_text = gen.spec.answer_schema is None
+            lead = split_answer(text, gen.spec)[0] if gen.tool_mode == "auto" else ""  # the text before calls
             try:
                 calls = parse_tool_calls(text, gen.spec)
             except ValueError:  # cut short (max_tokens, a stop sequence)
-                partial = parse_partial_calls(text, gen.tool_mode)
+                partial = parse_partial_calls(text, gen.tool_mode, after_text)
                 if partial:
-                    return Outcome(None, _with_ids(partial, call_ids), finish)
-                if begins_call(text, gen.tool_mode):  # cut before it named a function: nothing usable
-                    return Outcome("", None, finish)
+                    return Outcome(lead or None, _with_ids(partial, call_ids), finish)
+                if begins_call(text, gen.tool_mode, after_text):  # cut before it named a function
+                    return Outcome(lead, None, finish)
                 calls = None
             if calls:
-                return Outcome(None, _with_ids(calls, call_ids), "tool_calls")
+                return Outcome(lead or None, _with_ids(calls, call_ids), "tool_calls")
         return Outcome(text, None, finish)
 
     def call_stream(self, gen: Generation) -> ToolCallStream:
         """Splits the generation's text into answer text and tool-call pieces as it arrives."""
-        return ToolCallStream(gen.tool_mode)
+        after_text = gen.tool_mode is not None and gen.spec.answer_schema is None
+        return ToolCallStream(gen.tool_mode, calls_after_text=after_text)
 
     async def commit(self, gen: Generation, outcome: Outcome) -> Session | None:
         """Store this turn (new messages + the reply) in the session, if the request has one, then release the

@@ -20,7 +20,7 @@ from scheduler.grammar_spec import (
     ConstraintSpec,
     UnsupportedConstraintError,
     canonical_json,
-    not_prefixed_regex,
+    not_containing_regex,
     regex_literal,
 )
 from scheduler.tool_calls import TOOL_CALL_MARKER
@@ -135,8 +135,10 @@ def _tools_lark(spec: ConstraintSpec) -> str:
     answer, marker = spec.answer_schema, json.dumps(TOOL_CALL_MARKER)
     if spec.tool_mode != "auto":
         lines = ["start: calls"]
-    else:
-        lines = [f"start: {'answer' if answer is not None else 'TEXT'} | {marker} calls"]
+    elif answer is not None:  # a typed answer, or calls
+        lines = [f"start: answer | {marker} calls"]
+    else:  # text; or text up to the call marker (a lazy lexeme ending at it), then calls
+        lines = ["start: TEXT | pre calls", f"pre[stop={marker}]: /(?s:.*)/"]
     count = MAX_PARALLEL_CALLS if spec.parallel else 1  # calls: call (marker call)*, written out to its bound
     lines.append("calls: " + " | ".join(" ".join(["call"] + [f"{marker} call"] * n) for n in range(count)))
     functions = spec.functions
@@ -158,7 +160,7 @@ def _tools_lark(spec: ConstraintSpec) -> str:
         except UnsupportedConstraintError as e:
             raise UnsupportedConstraintError(e.feature, f"response_format: {e.detail}") from None
     elif spec.tool_mode == "auto":
-        lines.append(f"TEXT: /{not_prefixed_regex(TOOL_CALL_MARKER)}/")
+        lines.append(f"TEXT: /{not_containing_regex(TOOL_CALL_MARKER)}/")
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,7 @@ from scheduler.grammar_spec import (
     ConstraintSpec,
     UnsupportedConstraintError,
     canonical_json,
-    not_prefixed_regex,
+    not_containing_regex,
     regex_literal,
 )
 from scheduler.tool_calls import TOOL_CALL_MARKER
@@ -225,10 +225,11 @@ def outlines_regex(spec: ConstraintSpec) -> str:
     one = "(?:" + "|".join(calls) + ")"
     more = MAX_PARALLEL_CALLS - 1 if spec.parallel else 0
     call = f"{one}(?:{regex_literal(TOOL_CALL_MARKER)}{one}){{0,{more}}}" if more else one
-    if spec.tool_mode == "auto":
-        answer = not_prefixed_regex(TOOL_CALL_MARKER) if spec.answer_schema is None else _oc_schema_regex(
-            spec.answer_schema)
-        return f"(?:{answer}|{regex_literal(TOOL_CALL_MARKER)}{call})"
+    marker = regex_literal(TOOL_CALL_MARKER)
+    if spec.tool_mode == "auto" and spec.answer_schema is not None:
+        return f"(?:{_oc_schema_regex(spec.answer_schema)}|{marker}{call})"
+    if spec.tool_mode == "auto":  # text, then the marker and calls wherever the model writes them
+        return f"(?:{not_containing_regex(TOOL_CALL_MARKER)}(?:{marker}{call})?)"
     return call
 
 

@@ -60,11 +60,19 @@ def regex_literal(text: str) -> str:
     return "".join(c if not c.isascii() or c.isalnum() else f"\\x{ord(c):02X}" for c in text)
 
 
-def not_prefixed_regex(marker: str) -> str:
-    """A regex for any text (possibly empty) that does not start with ``marker``."""
-    alts = [regex_literal(marker[:i]) for i in range(len(marker))]  # proper prefixes, "" included
-    alts += [f"{regex_literal(marker[:i])}[^{regex_literal(marker[i])}](?s:.)*" for i in range(len(marker))]
-    return "(?:" + "|".join(alts) + ")"
+def not_containing_regex(marker: str) -> str:
+    """A regex for any text (possibly empty) that nowhere contains ``marker``. Needs a marker whose first
+    character occurs only there (as "<tool_call>"), so a failed partial match restarts only at that character."""
+    first, rest = marker[0], marker[1:]
+    if first in rest or len(marker) < 2:
+        raise ValueError("the marker's first character must not recur in it")
+    lit, other = regex_literal, f"[^{regex_literal(first)}]"
+    partial = [lit(rest[:j]) for j in range(len(rest))]  # what of the rest matched so far: "", "t", "to", ...
+    restart = "(?:" + "|".join(partial) + ")" + lit(first)  # a partial match broken by the first character again
+    deviate = "(?:" + "|".join(f"{lit(rest[:j])}[^{lit(first)}{lit(rest[j])}]" for j in range(len(rest))) + ")"
+    excursion = f"{lit(first)}(?:{restart})*{deviate}"
+    tail = f"(?:{lit(first)}(?:{restart})*(?:{'|'.join(partial)}))?"
+    return f"(?:{other}|{excursion})*{tail}"
 
 
 @dataclass(frozen=True)

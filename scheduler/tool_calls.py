@@ -4,9 +4,10 @@ Gemma 3 has no tool tokens, so the format is ours (the grammar of `ConstraintSpe
 
 * ``tool_choice="required"`` or a named function: the whole output is one compact JSON object
   ``{"name":"<declared name>","arguments":{...}}``.
-* ``tool_choice="auto"``: either an answer (free text that does not start with `TOOL_CALL_MARKER`, or a
-  document of the request's answer schema when one is set), or the marker immediately followed by one
-  such object, and then the end of the output.
+* ``tool_choice="auto"``: free text that does not contain `TOOL_CALL_MARKER`, then optionally the marker
+  and calls (the model may call after some text, as it would in a chat); or, when the request sets an
+  answer schema, either a document of that schema or the marker and calls.
+* parallel calls: each call after the first is preceded by the marker.
 
 `ToolCallStream` splits generated text into answer text and call pieces as it arrives, so every API can
 stream a call's arguments while they are generated; `parse_tool_calls` reads a finished output.
@@ -44,14 +45,16 @@ class CallPiece:
 class ToolCallStream:
     """Feeds on generated text; `push` returns what is final so far: answer text (str) and `CallPiece`s.
 
-    ``mode`` is None (no tools: everything is text), "auto" (text unless it starts with the marker) or
-    "required" (the output is calls). Text that may still become the marker is held. A call's arguments are
-    given out as they arrive; the call object's closing brace is not (its arguments' end is found by
-    tracking JSON nesting). After a call, the marker may start the next one (parallel calls).
+    ``mode`` is None (no tools: everything is text), "auto" or "required" (the output is calls).
+    ``calls_after_text`` (auto mode without an answer schema): the marker may come after some text, so text
+    flows while any suffix that may still become the marker is held; otherwise only a leading marker starts
+    a call. A call's arguments are given out as they arrive; the call object's closing brace is not (its
+    arguments' end is found by tracking JSON nesting). After a call, the marker may start the next one.
     """
 
-    def __init__(self, mode: str | None) -> None:
+    def __init__(self, mode: str | None, calls_after_text: bool = False) -> None:
         self.mode = mode
+        self.calls_after_text = calls_after_text and mode == "auto"
         self.state = "text" if mode is None else ("deciding" if mode == "auto" else "head")
         self.buffer = ""  # undecided text, or a call's head, or text after a call
         self.calls: list[CallPiece] = []  # the calls started so far (first pieces)
@@ -70,6 +73,14 @@ class ToolCallStream:
                 return out
 
     def _advance(self) -> list[str | CallPiece]:
+        if self.state == "deciding" and self.calls_after_text:
+            at = self.buffer.find(TOOL_CALL_MARKER)
+            if at >= 0:
+                text, self.state, self.buffer = self.buffer[:at], "head", self.buffer[at + len(TOOL_CALL_MARKER):]
+                return [text] if text else []
+            keep = _marker_prefix_len(self.buffer)
+            text, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+            return [text] if text else []
         if self.state == "deciding":
             if self.buffer.startswith(TOOL_CALL_MARKER):
                 self.state, self.buffer = "head", self.buffer[len(TOOL_CALL_MARKER):]
@@ -130,6 +141,14 @@ class ToolCallStream:
         return [c.call_id for c in self.calls]
 
 
+def _marker_prefix_len(text: str) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of the marker."""
+    for n in range(min(len(text), len(TOOL_CALL_MARKER) - 1), 0, -1):
+        if TOOL_CALL_MARKER.startswith(text[-n:]):
+            return n
+    return 0
+
+
 def _call_json(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
     return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -142,9 +161,9 @@ def parse_tool_calls(text: str, spec: Any) -> list[dict[str, Any]] | None:
         raise ValueError(f"not a tools constraint: {spec.kind}")
     names = {f["name"] for f in spec.functions}
     if spec.tool_mode == "auto":
-        if not text.startswith(TOOL_CALL_MARKER):
+        _, text = split_answer(text, spec)
+        if text is None:
             return None
-        text = text[len(TOOL_CALL_MARKER):]
     calls, decoder, at = [], json.JSONDecoder(), 0
     while True:
         try:
@@ -166,15 +185,25 @@ def parse_tool_calls(text: str, spec: Any) -> list[dict[str, Any]] | None:
         at = end + len(TOOL_CALL_MARKER)
 
 
-def begins_call(text: str, mode: str) -> bool:
-    """Whether an output of a tools constraint in ``mode`` is (the start of) a call rather than an answer."""
-    return mode != "auto" or text.startswith(TOOL_CALL_MARKER)
+def split_answer(text: str, spec: Any) -> tuple[str, str | None]:
+    """An auto-mode output of a tools spec split into (the text before the calls, the calls after the marker;
+    None without calls). Only a leading marker counts when the spec has an answer schema."""
+    at = text.find(TOOL_CALL_MARKER) if spec.answer_schema is None else (0 if text.startswith(TOOL_CALL_MARKER)
+                                                                          else -1)
+    return (text, None) if at < 0 else (text[:at], text[at + len(TOOL_CALL_MARKER):])
 
 
-def parse_partial_calls(text: str, mode: str) -> list[dict[str, Any]]:
+def begins_call(text: str, mode: str, calls_after_text: bool = False) -> bool:
+    """Whether an output of a tools constraint in ``mode`` has begun calls (rather than being an answer)."""
+    if mode != "auto":
+        return True
+    return TOOL_CALL_MARKER in text if calls_after_text else text.startswith(TOOL_CALL_MARKER)
+
+
+def parse_partial_calls(text: str, mode: str, calls_after_text: bool = False) -> list[dict[str, Any]]:
     """Calls cut short (max_tokens): the complete ones, then the one it was becoming (its name and the
     arguments so far); empty if the output had not got as far as naming a function."""
-    stream = ToolCallStream(mode)
+    stream = ToolCallStream(mode, calls_after_text)
     pieces = stream.push(text)
     arguments: dict[str, str] = {}
     for piece in pieces:

@@ -213,7 +213,8 @@ class ResponseBuilder:
 
     def output(self, outcome: Outcome) -> list[dict[str, Any]]:
         status = "incomplete" if outcome.finish_reason == "length" else "completed"
-        items = [self.message_item(outcome.content or "", status)] if not outcome.tool_calls else []
+        items = [self.message_item(outcome.content or "", status)] if outcome.content or not outcome.tool_calls \
+            else []
         for call in outcome.tool_calls or []:
             items.append(self.call_item(call["id"], call["function"]["name"], call["function"]["arguments"], status))
         return items

@@ -473,6 +473,11 @@ def test_tool_choice_auto(compiler, tokenizer):
     assert accepts(compiler, tokenizer, spec, "<tool")  # a prefix of the marker is still text
     assert not accepts(compiler, tokenizer, spec, TOOL_CALL_MARKER + "I think")  # marker commits to a call
     assert not accepts(compiler, tokenizer, spec, call + " and more")  # the call ends the output
+    after = "Let me check the weather. " + call  # a call may follow some text, as in a chat
+    assert accepts(compiler, tokenizer, spec, after)
+    assert not accepts(compiler, tokenizer, spec, "Let me check. " + TOOL_CALL_MARKER + "soon")
+    [parsed] = parse_tool_calls(after, spec)
+    assert parsed["function"]["name"] == "get_weather"
     assert parse_tool_calls(text, spec) is None
     assert parse_tool_calls(call, spec)[0]["function"]["name"] == "get_weather"
     with pytest.raises(ValueError):

@@ -235,6 +235,8 @@ def test_tool_calls_parsed_whole_or_cut_short():
     assert out.finish_reason == "tool_calls" and out.tool_calls[0]["function"]["arguments"] == '{"zone":"UTC"}'
     plain = ChatService.finish(None, gen, "<to be or not", FinishReason.STOP)
     assert plain.content == "<to be or not" and plain.finish_reason == "stop"
+    lead = ChatService.finish(None, gen, "Checking. " + text, FinishReason.STOP)
+    assert lead.content == "Checking. " and lead.finish_reason == "tool_calls" and lead.tool_calls
     cut = ChatService.finish(None, gen, TOOL_CALL_MARKER + '{"name":"get_time","arguments":{"zo', FinishReason.LENGTH)
     assert cut.content is None and cut.finish_reason == "length"
     assert cut.tool_calls[0]["function"] == {"name": "get_time", "arguments": '{"zo'}

@@ -86,3 +86,17 @@ def test_parallel_calls_stream_as_separate_indexed_calls(size):
     assert [c["function"]["arguments"] for c in parse_tool_calls(TWO, spec)] == args
     with pytest.raises(ValueError):  # without parallel calls, a second call is not a call output
         parse_tool_calls(TWO, ConstraintSpec.tools(TOOLS, "required"))
+
+
+def test_in_auto_mode_a_call_may_follow_text_and_text_flows_until_the_marker_could_begin():
+    text = "Let me look that up. " + TOOL_CALL_MARKER + CALL
+    stream = ToolCallStream("auto", calls_after_text=True)
+    assert stream.push("Let me look") == ["Let me look"]  # flows at once
+    assert stream.push(" that up. <tool") == [" that up. "]  # "<tool" may begin the marker: held
+    rest = stream.push(text[len("Let me look that up. <tool"):]) + stream.finish()
+    assert rest[0].first and rest[0].name == "get_weather"
+    spec = ConstraintSpec.tools(TOOLS, "auto")
+    [call] = parse_tool_calls(text, spec)
+    assert "".join(p.arguments for p in rest[1:]) == call["function"]["arguments"]
+    held = ToolCallStream("auto", calls_after_text=True)
+    assert held.push("a <to") == ["a "] and held.push("mato") == ["<tomato"]
