@@ -5,19 +5,22 @@ exactly is left for the backend to refuse, naming the keyword).
 * ``dependentRequired``, ``dependentSchemas`` (whose schemas only add properties and required keys) and
   draft 7's ``dependencies``: an ``anyOf`` over which trigger keys are present, each branch the whole
   object schema with the trigger forbidden, or required together with what it brings (at most 4 triggers).
-* ``not`` of a ``type`` (the complement of the types) or of ``required`` (some listed key absent).
+* ``not`` of a ``type`` (the complement of the types) or of ``required`` (some listed key absent, up to 4).
 * ``oneOf`` whose branches are provably disjoint (distinct types, a required property whose const/enum
   values differ, a required key the other branch's closed object cannot hold): exactly an ``anyOf``.
-* ``uniqueItems`` on arrays of at most one item: always satisfied, dropped.
+* ``uniqueItems`` on arrays of at most one item: always satisfied, dropped; over booleans or an enum of at
+  most 3 values: the enum of every arrangement of distinct values (within the length bounds).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
 from typing import Any
 
 MAX_TRIGGERS = 4  # dependency keys rewritten per object: the rewrite has 2^n branches
+MAX_UNIQUE_VALUES = 3  # uniqueItems over an enum of up to this many values: 16 arrangements at most
 TYPES = ("null", "boolean", "object", "array", "number", "string")  # "integer" is within "number"
 _OBJECT_KEYS = ("type", "properties", "required", "additionalProperties", "patternProperties", "minProperties",
                 "maxProperties", "propertyNames")
@@ -37,8 +40,8 @@ def rewrite(schema: dict[str, Any]) -> dict[str, Any]:
         _dependencies(node)
         _not(node)
         _one_of(node, root)
-        if node.get("uniqueItems") and isinstance(node.get("maxItems"), int) and node["maxItems"] <= 1:
-            del node["uniqueItems"]
+        if node.get("uniqueItems"):
+            _unique_items(node)
         stack.extend(v for k, v in node.items() if isinstance(v, dict | list) and k not in ("enum", "const",
                                                                                                "default", "examples"))
     return schema
@@ -88,6 +91,33 @@ def _plain_object(node: dict[str, Any]) -> bool:
         for k in node)
 
 
+# ---- uniqueItems --------------------------------------------------------------------------------
+
+
+def _unique_items(node: dict[str, Any]) -> None:
+    longest = node.get("maxItems")
+    if isinstance(longest, int) and longest <= 1:
+        del node["uniqueItems"]  # zero or one item: always unique
+        return
+    items = node.get("items")
+    plain_enum = isinstance(items, dict) and set(items) <= {"enum", "const", "title", "description"}
+    values = [True, False] if items == {"type": "boolean"} else _values(items) if plain_enum else None
+    if values is None or len(values) > MAX_UNIQUE_VALUES or set(node) - {"type", "items", "uniqueItems", "minItems",
+                                                                         "maxItems", "title", "description"}:
+        return
+    if node.get("type", "array") != "array" or len({_json_key(v) for v in values}) != len(values):
+        return
+    shortest, longest = node.get("minItems", 0), longest if isinstance(longest, int) else len(values)
+    arrangements = [list(a) for n in range(shortest, min(longest, len(values)) + 1)
+                    for a in itertools.permutations(values, n)]
+    node.clear()
+    node["enum"] = arrangements  # every array of distinct values, as literals
+
+
+def _json_key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
 # ---- not -----------------------------------------------------------------------------------------
 
 
@@ -106,6 +136,16 @@ def _not(node: dict[str, Any]) -> None:
     elif isinstance(negated.get("required"), list) and len(negated["required"]) == 1:
         node.setdefault("properties", {})[negated["required"][0]] = False  # "not all of [k]": k is absent
         del node["not"]
+    elif isinstance(negated.get("required"), list) and 1 < len(negated["required"]) <= MAX_TRIGGERS \
+            and "anyOf" not in node and _plain_object({k: v for k, v in node.items() if k != "not"}):
+        base = {k: v for k, v in node.items() if k != "not"}  # not all of the keys: one of them is absent
+        branches = []
+        for key in negated["required"]:
+            branch = copy.deepcopy(base)
+            branch.setdefault("properties", {})[key] = False
+            branches.append(branch)
+        node.clear()
+        node["anyOf"] = branches
 
 
 # ---- oneOf ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ turn's events become Anthropic's stream events. Sessions (``X-Session-Id``) work
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -233,17 +234,18 @@ async def _stream(turn: Turn, mid: str) -> AsyncIterator[bytes]:
     yield event("message_start", {"message": _message(mid, turn.gen.agent.name, [], None, None, start_usage)})
     yield event("ping", {})
     blocks = _Blocks()
-    async for ev in turn.events():
-        if isinstance(ev, Step):
-            for chunk in blocks.events(ev.pieces):
-                yield chunk
-        elif isinstance(ev, Finished):
-            for chunk in [*blocks.events(ev.pieces), *blocks.close()]:
-                yield chunk
-            yield event("message_delta", {"delta": {"stop_reason": stop_reason(ev.outcome, ev.fin),
-                                                    "stop_sequence": ev.fin.stop_sequence}, "usage": usage(ev.fin)})
-        elif isinstance(ev, Failed):
-            yield event("error", {"error": ev.error.anthropic_body()["error"]})
-            return
-        elif isinstance(ev, Committed):
-            yield event("message_stop", {})
+    async with contextlib.aclosing(turn.events()) as events:  # its clean-up runs when this ends
+        async for ev in events:
+            if isinstance(ev, Step):
+                for chunk in blocks.events(ev.pieces):
+                    yield chunk
+            elif isinstance(ev, Finished):
+                for chunk in [*blocks.events(ev.pieces), *blocks.close()]:
+                    yield chunk
+                yield event("message_delta", {"delta": {"stop_reason": stop_reason(ev.outcome, ev.fin),
+                                                        "stop_sequence": ev.fin.stop_sequence}, "usage": usage(ev.fin)})
+            elif isinstance(ev, Failed):
+                yield event("error", {"error": ev.error.anthropic_body()["error"]})
+                return
+            elif isinstance(ev, Committed):
+                yield event("message_stop", {})

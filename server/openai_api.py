@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -224,23 +225,20 @@ async def _chat_stream(turn: Turn, cid: str, include_usage: bool, logprobs: bool
         return sse(out)
 
     yield chunk({"role": "assistant", "content": ""})
-    async for event in turn.events():
-        if isinstance(event, Step):
-            delta = chat_delta(event.pieces)
-            lp = [_chat_logprob(state, event.token)] if logprobs else None
-            if delta or lp:
-                yield chunk(delta or {"content": ""}, lp=lp)
-        elif isinstance(event, Finished):
-            if delta := chat_delta(event.pieces):
-                yield chunk(delta)
-            yield chunk({}, event.outcome.finish_reason)
-        elif isinstance(event, Failed):
-            yield sse(event.error.body())
-            return
-        elif isinstance(event, Committed):
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(event.fin)})
-            yield DONE
+    async with contextlib.aclosing(turn.events()) as events:  # its clean-up runs when this ends
+        async for event in events:
+            if isinstance(event, Step):
+                delta = chat_delta(event.pieces)
+                lp = [_chat_logprob(state, event.token)] if logprobs else None
+                if delta or lp:
+                    yield chunk(delta or {"content": ""}, lp=lp)
+            elif isinstance(event, Finished):
+                if delta := chat_delta(event.pieces):
+                    yield chunk(delta)
+                yield chunk({}, event.outcome.finish_reason)
+            else:
+                for end in _stream_end(event, base, include_usage):
+                    yield end
 
 
 def _replay(answer: dict[str, Any], body: ChatCompletionRequest) -> Response:
@@ -325,19 +323,23 @@ async def _completion_stream(turn: Turn, base: dict[str, Any], include_usage: bo
         return sse(out)
 
     offset = 0
-    async for event in turn.events():
-        if isinstance(event, Step):
-            text = "".join(event.pieces)
-            lp = _legacy_logprobs(turn.state, [event.token], offset) if want_lp else None
-            offset += len(event.token.text)
-            if text or lp:
-                yield chunk(text, lp=lp)
-        elif isinstance(event, Finished):
-            yield chunk("".join(event.pieces), event.outcome.finish_reason)
-        elif isinstance(event, Failed):
-            yield sse(event.error.body())
-            return
-        elif isinstance(event, Committed):
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(event.fin)})
-            yield DONE
+    async with contextlib.aclosing(turn.events()) as events:  # its clean-up runs when this ends
+        async for event in events:
+            if isinstance(event, Step):
+                text = "".join(event.pieces)
+                lp = _legacy_logprobs(turn.state, [event.token], offset) if want_lp else None
+                offset += len(event.token.text)
+                if text or lp:
+                    yield chunk(text, lp=lp)
+            elif isinstance(event, Finished):
+                yield chunk("".join(event.pieces), event.outcome.finish_reason)
+            else:
+                for end in _stream_end(event, base, include_usage):
+                    yield end
+
+
+def _stream_end(event: Failed | Committed, base: dict[str, Any], include_usage: bool) -> list[bytes]:
+    """The last chunks of an OpenAI stream: its error event, or the usage chunk (if asked for) and [DONE]."""
+    if isinstance(event, Failed):
+        return [sse(event.error.body())]
+    return [*([sse({**base, "choices": [], "usage": usage(event.fin)})] if include_usage else []), DONE]

@@ -11,6 +11,7 @@ up to that point. Records live in the same store as sessions, for the same time,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -351,26 +352,27 @@ async def _stream(turn: Turn, builder: ResponseBuilder) -> AsyncIterator[bytes]:
     yield events.event("response.created", {"response": builder.object()})
     yield events.event("response.in_progress", {"response": builder.object()})
     final: tuple[Outcome, FinishEvent] | None = None
-    async for ev in turn.events():
-        if isinstance(ev, Step):
-            for chunk in events.pieces(ev.pieces):
-                yield chunk
-        elif isinstance(ev, Finished):
-            status = "incomplete" if ev.outcome.finish_reason == "length" else "completed"
-            tail = events.pieces(ev.pieces)
-            if events.index < 0 and not ev.outcome.tool_calls:  # an empty answer is still one (empty) message
-                tail += events.open_message()
-            for chunk in [*tail, *events.close(status)]:
-                yield chunk
-            final = (ev.outcome, ev.fin)
-        elif isinstance(ev, Failed):
-            failed = builder.object("failed", error=ev.error)
-            yield events.event("response.failed", {"response": failed})
-            return
-        elif isinstance(ev, Committed) and final is not None:
-            done = builder.object("completed", *final)
-            kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-            yield events.event(kind, {"response": done})
+    async with contextlib.aclosing(turn.events()) as turn_events:  # its clean-up runs when this ends
+        async for ev in turn_events:
+            if isinstance(ev, Step):
+                for chunk in events.pieces(ev.pieces):
+                    yield chunk
+            elif isinstance(ev, Finished):
+                status = "incomplete" if ev.outcome.finish_reason == "length" else "completed"
+                tail = events.pieces(ev.pieces)
+                if events.index < 0 and not ev.outcome.tool_calls:  # an empty answer is still one (empty) message
+                    tail += events.open_message()
+                for chunk in [*tail, *events.close(status)]:
+                    yield chunk
+                final = (ev.outcome, ev.fin)
+            elif isinstance(ev, Failed):
+                failed = builder.object("failed", error=ev.error)
+                yield events.event("response.failed", {"response": failed})
+                return
+            elif isinstance(ev, Committed) and final is not None:
+                done = builder.object("completed", *final)
+                kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+                yield events.event(kind, {"response": done})
 
 
 def _replay(answer: dict[str, Any], stream: bool) -> Response:

@@ -10,6 +10,7 @@ committed whether or not its client is still there; a turn cut short frees its s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -248,16 +249,17 @@ class Turn:
         finished: Finished | None = None
         watcher = asyncio.create_task(self._watch_disconnect(request))
         try:
-            async for event in self.events():
-                if isinstance(event, Step):
-                    tokens.append(event.token)
-                elif isinstance(event, Finished):
-                    finished = event
-                    watcher.cancel()
-                elif isinstance(event, Failed):
-                    raise event.error
-                else:
-                    return tokens, finished.outcome, finished.fin
+            async with contextlib.aclosing(self.events()) as events:  # its clean-up runs when this ends
+                async for event in events:
+                    if isinstance(event, Step):
+                        tokens.append(event.token)
+                    elif isinstance(event, Finished):
+                        finished = event
+                        watcher.cancel()
+                    elif isinstance(event, Failed):
+                        raise event.error
+                    else:
+                        return tokens, finished.outcome, finished.fin
         finally:
             watcher.cancel()
         raise RuntimeError("the event stream ended without a finish event")

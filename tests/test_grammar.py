@@ -671,6 +671,7 @@ OBJECTS = [{}, {"a": 1}, {"b": 2}, {"c": 3}, {"a": 1, "b": 2}, {"a": 1, "c": 3},
     {"type": "object", "properties": CLOSED, "additionalProperties": False,
      "dependentSchemas": {"a": {"required": ["c"]}}},
     {"type": "object", "properties": CLOSED, "additionalProperties": False, "not": {"required": ["b"]}},
+    {"type": "object", "properties": CLOSED, "additionalProperties": False, "not": {"required": ["a", "c"]}},
 ])
 def test_dependencies_and_not_required_are_rewritten_exactly(compiler, tokenizer, schema):
     agrees_with_jsonschema(compiler, tokenizer, schema, OBJECTS)
@@ -696,6 +697,12 @@ def test_a_one_of_with_provably_disjoint_branches_is_enforced(compiler, tokenize
         compiler.compile(ConstraintSpec.json_schema(overlapping))
 
 
-def test_unique_items_on_arrays_of_at_most_one_item_is_always_satisfied(compiler, tokenizer):
+def test_unique_items_on_short_arrays_booleans_and_small_enums_is_enforced(compiler, tokenizer):
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 1, "uniqueItems": True}
     agrees_with_jsonschema(compiler, tokenizer, schema, [[], [1], [1, 1]])
+    flags = {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True}
+    agrees_with_jsonschema(compiler, tokenizer, flags, [[], [True], [True, False], [False, True], [True, True],
+                                                        [False, False, True]])
+    colors = {"type": "array", "items": {"enum": ["red", "blue", 3]}, "uniqueItems": True, "minItems": 2}
+    agrees_with_jsonschema(compiler, tokenizer, colors, [["red"], ["red", 3], [3, "blue", "red"], ["red", "red"],
+                                                         ["blue", 3, 3]])
