@@ -17,7 +17,7 @@ from typing import Any
 from core.tokenizer import Tokenizer
 from scheduler.grammar_spec import ConstraintSpec, UnsupportedConstraintError
 from scheduler.schema_rewrite import rewrite
-from scheduler.strict_schema import tighten
+from scheduler.strict_schema import tighten, wants_strict
 
 __all__ = ["Backend", "GrammarMatcher", "iter_subschemas", "mask_words", "prepare_schema"]
 
@@ -130,8 +130,12 @@ def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[
         raise UnsupportedConstraintError("schema", "a JSON schema must be an object or a boolean")
     # Backend options ride in "x-guidance"; the user does not get to turn on lenient mode or whitespace.
     schema.pop("x-guidance", None)
-    tighten(schema, numbers=bound_literals)
+    strict = wants_strict(schema)
+    if strict:
+        tighten(schema, numbers=bound_literals)
     rewrite(schema)
+    if strict and bound_literals:  # numbers the rewrite wrote (a negated enum's intervals) are bounded too
+        tighten(schema, numbers=True, objects=False)
     for sub in iter_subschemas(schema):
         if formats is not None and isinstance(sub.get("format"), str) and sub["format"] not in formats:
             del sub["format"]

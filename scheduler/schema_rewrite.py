@@ -5,7 +5,9 @@ exactly is left for the backend to refuse, naming the keyword).
 * ``dependentRequired``, ``dependentSchemas`` (whose schemas only add properties and required keys) and
   draft 7's ``dependencies``: an ``anyOf`` over which trigger keys are present, each branch the whole
   object schema with the trigger forbidden, or required together with what it brings (at most 4 triggers).
-* ``not`` of a ``type`` (the complement of the types) or of ``required`` (some listed key absent, up to 4).
+* ``not`` of a ``type`` (the complement of the types), of ``required`` (some listed key absent, up to 4), or
+  of a ``const``/``enum`` of scalars (per type: the other booleans, numbers in the open intervals between the
+  excluded ones, strings matching a pattern that spells every string but the excluded ones).
 * ``oneOf`` whose branches are provably disjoint (distinct types, a required property whose const/enum
   values differ, a required key the other branch's closed object cannot hold): exactly an ``anyOf``.
 * ``uniqueItems`` on arrays of at most one item: always satisfied, dropped; over booleans or an enum of at
@@ -18,6 +20,8 @@ import copy
 import itertools
 import json
 from typing import Any
+
+from scheduler.grammar_spec import regex_literal
 
 MAX_TRIGGERS = 4  # dependency keys rewritten per object: the rewrite has 2^n branches
 MAX_UNIQUE_VALUES = 3  # uniqueItems over an enum of up to this many values: 16 arrangements at most
@@ -133,6 +137,13 @@ def _not(node: dict[str, Any]) -> None:
         own = [own] if isinstance(own, str) else list(own)
         node["type"] = [t for t in own if ("number" if t == "integer" else t) not in excluded]
         del node["not"]
+    elif ("const" in negated or isinstance(negated.get("enum"), list)) and set(node) <= {"not", "type", "title",
+                                                                                         "description"}:
+        branches = _all_but(_values(negated), node.get("type"))
+        if branches is not None:
+            node.pop("not")
+            node.pop("type", None)
+            node["anyOf"] = branches
     elif isinstance(negated.get("required"), list) and len(negated["required"]) == 1:
         node.setdefault("properties", {})[negated["required"][0]] = False  # "not all of [k]": k is absent
         del node["not"]
@@ -146,6 +157,57 @@ def _not(node: dict[str, Any]) -> None:
             branches.append(branch)
         node.clear()
         node["anyOf"] = branches
+
+
+def _all_but(excluded: list[Any], kind: Any) -> list[dict[str, Any]] | None:
+    """Schemas (one per type) for every value of ``kind`` (a type or types; None: any) except ``excluded``
+    scalars; None when an excluded value is an object or an array (no complement written for those)."""
+    if any(isinstance(v, dict | list) for v in excluded):
+        return None
+    kinds = list(TYPES) if kind is None else [kind] if isinstance(kind, str) else list(kind)
+    numbers = sorted({v for v in excluded if isinstance(v, int | float) and not isinstance(v, bool)})
+    branches: list[dict[str, Any]] = []
+    for t in kinds:
+        if t == "boolean":
+            kept = [b for b in (True, False) if not any(v is b for v in excluded)]
+            branches += [{"enum": kept}] if kept else []
+        elif t == "null":
+            branches += [] if None in excluded else [{"type": "null"}]
+        elif t == "string":
+            words = [v for v in excluded if isinstance(v, str)]
+            branches.append({"type": "string", "pattern": f"^{_all_strings_but(words)}$"} if words else {"type": t})
+        elif t in ("number", "integer"):
+            bounds = [None, *numbers, None]  # the open intervals between excluded numbers
+            for lo, hi in itertools.pairwise(bounds):
+                branch: dict[str, Any] = {"type": t}
+                if lo is not None:
+                    branch["exclusiveMinimum"] = lo
+                if hi is not None:
+                    branch["exclusiveMaximum"] = hi
+                branches.append(branch)
+        else:
+            branches.append({"type": t})
+    return branches
+
+
+def _all_strings_but(words: list[str]) -> str:
+    """A regex (unanchored body) for every string except ``words``: a trie of them, leaving it anywhere."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a word ends here
+
+    def body(node: dict[str, Any]) -> str:
+        children = sorted(k for k in node if k)
+        alts = [] if "" in node else [""]  # stopping here is allowed unless a word ends here
+        leave = "".join(regex_literal(c) for c in children)
+        alts.append(f"[^{leave}](?s:.*)" if children else "(?s:.+)")
+        alts += [regex_literal(c) + body(node[c]) for c in children]
+        return "(?:" + "|".join(alts) + ")"
+
+    return body(trie)
 
 
 # ---- oneOf ---------------------------------------------------------------------------------------

@@ -32,19 +32,24 @@ _SCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "contains", "
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
 
 
-def tighten(schema: dict[str, Any], numbers: bool = True) -> dict[str, Any]:
-    """Narrow ``schema`` in place (see the module docstring) and return it. ``numbers``: also bound number
-    literals and second fractions (for backends that enforce ``minimum``/``maximum``/``multipleOf``)."""
+def wants_strict(schema: dict[str, Any]) -> bool:
+    """Whether the schema accepts the narrowing (it has not opted out); removes the opt-out key."""
     options = schema.pop(OPT_OUT_KEY, None)
-    if isinstance(options, dict) and options.get("strict") is False:
-        return schema
+    return not (isinstance(options, dict) and options.get("strict") is False)
+
+
+def tighten(schema: dict[str, Any], numbers: bool = True, objects: bool = True) -> dict[str, Any]:
+    """Narrow ``schema`` in place (see the module docstring) and return it; applying it twice changes nothing
+    more. ``numbers``: bound number literals and second fractions (for backends that enforce
+    ``minimum``/``maximum``/``multipleOf``); ``objects``: close objects."""
     merged_defs = "allOf" in _all_keys(schema)
     stack: list[tuple[Any, bool]] = [(schema, False)]
     while stack:
         node, keep_open = stack.pop()
         if not isinstance(node, dict):
             continue
-        if not keep_open and isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_KEYS):
+        if objects and not keep_open and isinstance(node.get("properties"), dict) \
+                and not any(k in node for k in _OPEN_KEYS):
             _close(node)
         if numbers:
             _bound_literals(node)

@@ -270,7 +270,7 @@ def test_schema_constraints_are_enforced(compiler, tokenizer):
     ("spec", "feature"),
     [
         (lambda: ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
-        (lambda: ConstraintSpec.json_schema({"not": {"const": "x"}}), "not"),  # no exact complement written
+        (lambda: ConstraintSpec.json_schema({"not": {"minLength": 3}}), "not"),  # no exact complement written
         (lambda: ConstraintSpec.json_schema({"$ref": "https://example.com/s.json"}), "remote $ref"),
         (lambda: ConstraintSpec.json_schema({"oneOf": [{"type": "integer"}, {"type": "number"}]}), "oneOf"),
         (lambda: ConstraintSpec.json_schema(False), "unsatisfiable schema"),
@@ -680,6 +680,14 @@ def test_dependencies_and_not_required_are_rewritten_exactly(compiler, tokenizer
 def test_not_of_a_type_is_the_other_types(compiler, tokenizer):
     schema = {"not": {"type": ["string", "null"]}}
     agrees_with_jsonschema(compiler, tokenizer, schema, ["x", None, 1, 1.5, True, [1], {}])
+
+
+def test_not_of_scalar_values_is_every_other_value(compiler, tokenizer):
+    schema = {"not": {"enum": ["red", "re", "", 3, True, None]}}
+    agrees_with_jsonschema(compiler, tokenizer, schema, ["red", "re", "", "r", "reds", "blue", 3, 4, 2.5, -3, True,
+                                                         False, None, [], {}])
+    one = {"type": "string", "not": {"const": "x"}}
+    agrees_with_jsonschema(compiler, tokenizer, one, ["x", "xx", "", "y", 1])
 
 
 def test_a_one_of_with_provably_disjoint_branches_is_enforced(compiler, tokenizer):

@@ -38,7 +38,7 @@ from scheduler.grammar import ConstraintSpec, GrammarCompiler, UnsupportedConstr
 from scheduler.grammar_backends import iter_subschemas
 from scheduler.grammar_llguidance import ASSERTED_FORMATS
 from scheduler.grammar_outlines import OC_FORMATS
-from scheduler.strict_schema import tighten
+from scheduler.strict_schema import tighten, wants_strict
 
 DATA = Path(__file__).parent / "data" / "json-schema"
 
@@ -138,7 +138,9 @@ def annotation_only(schema: Any, value: Any, asserted: frozenset[str] = ASSERTED
 
 
 def narrowed_accepts(schema: dict[str, Any], value: Any) -> bool:
-    narrowed = tighten(json.loads(json.dumps(schema)))
+    narrowed = json.loads(json.dumps(schema))
+    if wants_strict(narrowed):
+        tighten(narrowed)
     try:
         return jsonschema.validators.validator_for(schema)(narrowed).is_valid(value)
     except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.RefResolutionError, RecursionError):
