@@ -40,7 +40,8 @@ __all__ = [
     "build_runtime",
 ]
 
-Progress = Callable[[str], None]
+# Start-up progress: progress(stage, done, total, detail); a stage lasts until the next one is named.
+Progress = Callable[..., None]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ def assemble_runtime(
 
     options = options or RuntimeOptions()
     if progress:
-        progress("grammar: building the tokenizer bridge")
+        progress("build the grammar tokenizer bridge")
     compiler = GrammarCompiler(
         tokenizer,
         options.grammar_backend,
@@ -187,9 +188,9 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
     if options.compile_cache != "off":
         enable_compile_cache(options.compile_cache)
     if progress:
-        progress(f"loading model {options.model}")
+        progress("load the model", detail=str(options.model))
     model = load_model(options.model, dtype=options.dtype, precision=options.precision,
-                       progress=(lambda done, total: progress(f"loading weights [{done}/{total}]"))
+                       progress=(lambda done, total: progress("load the model", done, total, str(options.model)))
                        if progress else None)
     kv_dtype, kv_reason = choose_kv_dtype(options.kv_dtype, model.precision)
     engine = Engine(model.cfg, model.params,
@@ -197,11 +198,14 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
                                  chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype),
                     model.dtype)
     if progress:
-        progress(f"KV pool: {engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: "
-                 f"{kv_reason}), {engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
-                 f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
-                 f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})")
-    engine.warmup((lambda name, done, total: progress(f"compiling [{done}/{total}] {name}")) if progress else None)
+        progress("allocate the KV pool", detail=(
+            f"{engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: {kv_reason}), "
+            f"{engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
+            f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
+            f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})"))
+    engine.warmup((lambda name, done, total: progress("compile the step programs", done, total,
+                                                      f"{total} programs" if done == total else name))
+                  if progress else None)
     return assemble_runtime(engine, model.tokenizer, options, model_name=str(options.model),
                             dtype_reason=model.dtype_reason, precision=model.precision,
                             precision_reason=model.precision_reason, kv_dtype_reason=kv_reason,

@@ -224,13 +224,11 @@ def _open_store(config: ServerConfig) -> Store:
 def _load(state: ServerState) -> None:
     """Background start-up: build (load + compile) the runtime, start the scheduler, then mark ready."""
 
-    def progress(message: str) -> None:
-        state.status = message
-        print(f"slotserve: {message}", file=sys.stderr, flush=True)
-
+    progress = state.startup
     begin = time.perf_counter()
     try:
         runtime = state.factory(progress)
+        progress("start the scheduler")
         runtime.scheduler.on_failure = state.engine_died
         runtime.start()
         limits = state.config.limits
@@ -245,14 +243,14 @@ def _load(state: ServerState) -> None:
         state.metrics.set_model_info({**runtime.info(), "dtype_reason": runtime.dtype_reason,
                                       "precision_reason": runtime.precision_reason,
                                       "kv_dtype_reason": runtime.kv_dtype_reason})
-        state.status = "ready"
+        progress.finish()
         state.ready.set()
-        progress(f"ready in {time.perf_counter() - begin:.1f} s ({runtime.model_name}, {runtime.dtype}, "
-                 f"precision {runtime.precision}, KV {runtime.kv_dtype}, "
-                 f"{runtime.num_slots} slots x {runtime.max_len})")
+        print(f"slotserve: ready in {time.perf_counter() - begin:.1f} s ({runtime.model_name}, {runtime.dtype}, "
+              f"precision {runtime.precision}, KV {runtime.kv_dtype}, {runtime.num_slots} slots x "
+              f"{runtime.max_len})", file=sys.stderr, flush=True)
     except BaseException as e:  # noqa: BLE001 - reported by /ready, the process stays up for diagnosis
         state.load_error = f"{type(e).__name__}: {e}"
-        state.status = "failed"
+        progress.finish()
         log.exception("model load failed")
 
 
@@ -290,9 +288,10 @@ def _add_routes(app: FastAPI) -> None:
         if state.ready.is_set() and not state.shutting_down:
             return JSONResponse({"status": "ready", "model": state.runtime.model_name, "store": "ok"})
         status = "shutting_down" if state.shutting_down else ("failed" if state.load_error else "loading")
-        body = error_body(f"not ready: {state.load_error or state.status}", "service_unavailable", None, status)
-        body["status"] = status
-        body["detail"] = state.status
+        where = state.startup.report()
+        body = error_body(f"not ready: {state.load_error or where['stage'] or status}", "service_unavailable", None,
+                          status)
+        body.update(status=status, detail=where["stage"], progress=where)
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/metrics", tags=["operations"])

@@ -19,6 +19,7 @@ from server.auth import Auth
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import Metrics
+from server.startup import StartupProgress
 
 log = logging.getLogger("slotserve.server")
 AgentName = Annotated[str, Path(examples=["assistant"], description="the agent's name")]
@@ -37,7 +38,7 @@ class ServerState:
     registry: AgentRegistry | None = None
     runtime: Runtime | None = None
     service: ChatService | None = None
-    status: str = "starting"
+    startup: StartupProgress = field(default_factory=StartupProgress)  # start-up stages, for logs and /ready
     load_error: str | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     shutting_down: bool = False
@@ -81,7 +82,8 @@ class ServerState:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if not self.ready.is_set() or self.service is None:
-            detail = f"model failed to load: {self.load_error}" if self.load_error else f"loading: {self.status}"
+            stage = self.startup.report()["stage"] or "starting"
+            detail = f"model failed to load: {self.load_error}" if self.load_error else f"loading: {stage}"
             raise APIError(503, f"the model is not ready ({detail})", code="model_not_ready",
                            headers={"Retry-After": "5"})
         return self.service

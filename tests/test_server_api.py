@@ -680,7 +680,7 @@ def test_ready_is_503_until_the_runtime_is_warm(runtime):
     gate = threading.Event()
 
     def slow_factory(progress):
-        progress("compiling [1/2] pretend")
+        progress("compile the step programs", 1, 4, "pretend")
         gate.wait(30)
         return runtime
 
@@ -689,7 +689,9 @@ def test_ready_is_503_until_the_runtime_is_warm(runtime):
     try:
         assert httpx.get(f"{srv.url}/health").status_code == 200
         r = httpx.get(f"{srv.url}/ready")
-        assert r.status_code == 503 and r.json()["status"] == "loading" and "compiling" in r.json()["detail"]
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert r.json()["progress"]["stage"] == "compile the step programs" == r.json()["detail"]
+        assert r.json()["progress"]["stage_percent"] == 25.0  # /ready says how far the stage has got
         r = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": "assistant", "messages": USER})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
         assert "slotserve_ready 0.0" in httpx.get(f"{srv.url}/metrics").text
