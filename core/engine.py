@@ -145,6 +145,7 @@ class Engine:
                                   donate_argnums=(1,))
         self._sample_row_fn = jax.jit(_sample_row, donate_argnums=(1,))
         self.compile_seconds = 0.0
+        self.warmup_seconds: dict[str, float] = {}  # per program, filled by `warmup`
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -196,10 +197,13 @@ class Engine:
                          partial(self.sample_slot, 0, logits[0], 0, mask)))
         for size in self.buckets:
             jobs.append((f"slot save/restore/copy ({size} positions)", partial(self._warm_slot_ops, size)))
+        self.warmup_seconds = {}  # each program's compile (or cache load) and first run
         for i, (name, job) in enumerate(jobs):
             if progress:
                 progress(name, i, len(jobs))
+            started = time.perf_counter()
             jax.block_until_ready(job())
+            self.warmup_seconds[name] = round(time.perf_counter() - started, 3)
         if progress:
             progress("ready", len(jobs), len(jobs))
         self.compile_seconds = time.perf_counter() - begin

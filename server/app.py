@@ -286,7 +286,10 @@ def _add_routes(app: FastAPI) -> None:
             body.update(status="store_unavailable", store="unavailable")
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         if state.ready.is_set() and not state.shutting_down:
-            return JSONResponse({"status": "ready", "model": state.runtime.model_name, "store": "ok"})
+            programs = sorted(state.runtime.engine.warmup_seconds.items(), key=lambda kv: -kv[1])
+            return JSONResponse({"status": "ready", "model": state.runtime.model_name, "store": "ok",
+                                 "startup_s": state.startup.report()["stages_s"],
+                                 "slowest_programs_s": dict(programs[:5])})
         status = "shutting_down" if state.shutting_down else ("failed" if state.load_error else "loading")
         where = state.startup.report()
         body = error_body(f"not ready: {state.load_error or where['stage'] or status}", "service_unavailable", None,

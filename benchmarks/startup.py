@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Where start-up time goes: `slotserve serve` started twice on the default model, first with an empty XLA
+compilation cache (a fresh machine), then again with it warm (a restart), each until `/ready` answers 200.
+
+    python3 benchmarks/startup.py                        # 8 slots x 8192, the served defaults
+    python3 benchmarks/startup.py --slots 4 --max-len 2048
+
+Per start: seconds from process start to /ready, the stage durations the server reports (load the model,
+allocate the KV pool, compile the step programs, grammar bridge, start the scheduler) and its slowest
+programs. The cache lives in a temporary directory, so the user's own cache is neither used nor touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.agents_http import host  # noqa: E402 - after the path set-up that makes it importable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_once(cache: Path, slots: int, max_len: int, timeout: float) -> dict:
+    port = free_port()
+    config = cache.parent / f"startup-{port}.yaml"
+    config.write_text(f"model:\n  slots: {slots}\n  max_len: {max_len}\n  compile_cache: {cache}\n"
+                      f"server:\n  port: {port}\n  log_level: warning\n")
+    begin = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
+                             "serve", "--config", str(config)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        while time.monotonic() - begin < timeout:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited with {proc.returncode}")
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+                if r.status_code == 200:
+                    body = r.json()
+                    return {"ready_s": round(time.monotonic() - begin, 1), "stages_s": body["startup_s"],
+                            "slowest_programs_s": body["slowest_programs_s"]}
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit("the server did not become ready")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "startup-cpu.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "xla"
+        runs = {"first start (empty compile cache)": start_once(cache, args.slots, args.max_len, args.timeout),
+                "restart (warm compile cache)": start_once(cache, args.slots, args.max_len, args.timeout)}
+    report = {"meta": {"command": "python3 benchmarks/startup.py " + " ".join(sys.argv[1:]), "host": host(),
+                       "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "config": f"default model, {args.slots} slots x {args.max_len}, the server's CPU defaults",
+                       "load_average": os.getloadavg()},
+              "runs": runs}
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
