@@ -181,7 +181,7 @@ def assemble_runtime(
 
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
     """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
-    from core.device import choose_kv_dtype, enable_compile_cache
+    from core.device import choose_kv_dtype, default_cache_dir, enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 
@@ -189,9 +189,13 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
         enable_compile_cache(options.compile_cache)
     if progress:
         progress("load the model", detail=str(options.model))
+    # Prepared weights are cached beside the compiled programs ("off" turns both caches off).
+    weights_cache = None if options.compile_cache == "off" else default_cache_dir() / "weights"
     model = load_model(options.model, dtype=options.dtype, precision=options.precision,
                        progress=(lambda done, total: progress("load the model", done, total, str(options.model)))
-                       if progress else None)
+                       if progress else None, weights_cache=weights_cache)
+    if progress and model.weights_from_cache:
+        progress("load the model", detail=f"{options.model}, prepared weights from {weights_cache}")
     kv_dtype, kv_reason = choose_kv_dtype(options.kv_dtype, model.precision)
     engine = Engine(model.cfg, model.params,
                     EngineConfig(num_slots=options.num_slots, max_len=options.max_len,

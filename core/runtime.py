@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from core import weight_cache
 from core.config import ModelConfig
 from core.device import choose_dtype, choose_precision
 from core.loaders import open_checkpoint
@@ -30,6 +33,7 @@ class LoadedModel:
     load_seconds: float
     precision: str = "float"
     precision_reason: str = ""
+    weights_from_cache: bool = False  # the prepared weights were read back from the weights cache
 
     @property
     def param_bytes(self) -> int:
@@ -43,7 +47,10 @@ def load_model(
     int4_ple: bool = False,
     precision: str | None = "float",
     progress: Callable[[int, int], None] | None = None,
+    weights_cache: Path | None = None,
 ) -> LoadedModel:
+    """``weights_cache``: a directory of prepared weights (`core.weight_cache`) to read them from, or to
+    store them in after preparing them; None: prepare them every time."""
     begin = time.perf_counter()
     source = open_checkpoint(model)
     cfg = ModelConfig.from_hf_dict(source.config)
@@ -53,10 +60,18 @@ def load_model(
     precision, precision_reason = choose_precision(precision)
     log.info("weight precision %s (%s)", precision, precision_reason)
     policy = WeightPolicy(dtype=chosen, int8_matrices=int8_matrices, int4_ple=int4_ple, precision=precision)
-    params = fuse_projections(load_params(source, cfg, policy, progress))
+    params, cached = None, False
+    if weights_cache is not None:
+        key = weight_cache.cache_key(weight_cache.checkpoint_identity(Path(source.path)), asdict(policy))
+        params = weight_cache.load(weights_cache, key, jax.device_put)
+        cached = params is not None
+    if params is None:
+        params = fuse_projections(load_params(source, cfg, policy, progress))
+        if weights_cache is not None:
+            weight_cache.save(weights_cache, key, params)
     tokenizer = Tokenizer.from_pretrained(source.path)
     return LoadedModel(
         name=str(model), path=source.path, cfg=cfg, params=params, tokenizer=tokenizer,
         dtype=chosen, dtype_reason=reason, load_seconds=time.perf_counter() - begin,
-        precision=precision, precision_reason=precision_reason,
+        precision=precision, precision_reason=precision_reason, weights_from_cache=cached,
     )

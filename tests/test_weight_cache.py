@@ -1,0 +1,58 @@
+"""Prepared weights kept on disk: a second load reads them back (the same arrays), a corrupt or stale file
+is detected by its checksum or key and rebuilt, never used."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from core.runtime import load_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints, default_gguf, tmp_path_factory):
+    """The tiny Gemma 3 checkpoint with a tokenizer beside it (load_model reads one)."""
+    import shutil
+
+    from core.tokenizer import Tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    shutil.copytree(tiny_checkpoints["gemma3"][0], directory, dirs_exist_ok=True)
+    Tokenizer.from_pretrained(default_gguf).save(directory)
+    return directory
+
+
+def leaves(params) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+
+
+def same(a, b) -> bool:
+    la, lb = leaves(a), leaves(b)
+    return len(la) == len(lb) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(la, lb,
+                                                                                                    strict=True))
+
+
+@pytest.mark.parametrize("precision", ["w8a8", "float"])
+def test_a_second_load_reads_the_prepared_weights_back(checkpoint, tmp_path, precision):
+    directory = checkpoint
+    first = load_model(directory, precision=precision, weights_cache=tmp_path)
+    assert not first.weights_from_cache and len(list(tmp_path.glob("*.safetensors"))) == 1
+    second = load_model(directory, precision=precision, weights_cache=tmp_path)
+    assert second.weights_from_cache and same(first.params, second.params)
+
+
+def test_a_corrupt_or_stale_cache_file_is_rebuilt_not_used(checkpoint, tmp_path):
+    directory = checkpoint
+    first = load_model(directory, precision="w8a8", weights_cache=tmp_path)
+    [cached] = tmp_path.glob("*.safetensors")
+    data = bytearray(cached.read_bytes())
+    data[-1] ^= 0xFF  # one byte of tensor data changed
+    cached.write_bytes(bytes(data))
+    again = load_model(directory, precision="w8a8", weights_cache=tmp_path)
+    assert not again.weights_from_cache and same(first.params, again.params)  # the checksum caught it
+    assert load_model(directory, precision="w8a8", weights_cache=tmp_path).weights_from_cache  # rebuilt
+    other = load_model(directory, precision="float", weights_cache=tmp_path)  # other settings: another key
+    assert not other.weights_from_cache
+    cached.write_bytes(b"not a safetensors file")
+    assert not load_model(directory, precision="w8a8", weights_cache=tmp_path).weights_from_cache
