@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,11 @@ def _flatten(tree: Any, prefix: str, out: dict[str, np.ndarray]) -> Any:
         return {"__list__": [_flatten(v, f"{prefix}{i}.", out) for i, v in enumerate(tree)]}
     if tree is None:
         return None
-    name = prefix[:-1]
-    out[name] = np.asarray(tree)
+    name, array = prefix[:-1], np.asarray(tree)
+    if array.dtype.name == "bfloat16":  # safetensors' numpy side has no bfloat16: stored as its bits
+        out[name] = array.view(np.uint16)
+        return {"__array__": name, "bfloat16": True}
+    out[name] = array
     return {"__array__": name}
 
 
@@ -61,7 +65,8 @@ def _unflatten(shape: Any, arrays: dict[str, np.ndarray], place: Any) -> Any:
     if shape is None:
         return None
     if "__array__" in shape:
-        return place(arrays[shape["__array__"]])
+        array = arrays[shape["__array__"]]
+        return place(array.view(jnp.bfloat16) if shape.get("bfloat16") else array)
     if "__list__" in shape:
         return [_unflatten(v, arrays, place) for v in shape["__list__"]]
     return {k: _unflatten(v, arrays, place) for k, v in shape.items()}

@@ -33,26 +33,26 @@ def same(a, b) -> bool:
                                                                                                     strict=True))
 
 
-@pytest.mark.parametrize("precision", ["w8a8", "float"])
-def test_a_second_load_reads_the_prepared_weights_back(checkpoint, tmp_path, precision):
-    directory = checkpoint
-    first = load_model(directory, precision=precision, weights_cache=tmp_path)
+@pytest.mark.parametrize(("precision", "dtype"), [("w8a8", "float32"), ("float", "float32"), ("float", "bfloat16")])
+def test_a_second_load_reads_the_prepared_weights_back(checkpoint, tmp_path, precision, dtype):
+    directory = checkpoint  # the dtype is given: chosen by a timing otherwise, which may differ between loads
+    first = load_model(directory, dtype=dtype, precision=precision, weights_cache=tmp_path)
     assert not first.weights_from_cache and len(list(tmp_path.glob("*.safetensors"))) == 1
-    second = load_model(directory, precision=precision, weights_cache=tmp_path)
+    second = load_model(directory, dtype=dtype, precision=precision, weights_cache=tmp_path)
     assert second.weights_from_cache and same(first.params, second.params)
 
 
 def test_a_corrupt_or_stale_cache_file_is_rebuilt_not_used(checkpoint, tmp_path):
     directory = checkpoint
-    first = load_model(directory, precision="w8a8", weights_cache=tmp_path)
+    first = load_model(directory, dtype="float32", precision="w8a8", weights_cache=tmp_path)
     [cached] = tmp_path.glob("*.safetensors")
     data = bytearray(cached.read_bytes())
     data[-1] ^= 0xFF  # one byte of tensor data changed
     cached.write_bytes(bytes(data))
-    again = load_model(directory, precision="w8a8", weights_cache=tmp_path)
+    again = load_model(directory, dtype="float32", precision="w8a8", weights_cache=tmp_path)
     assert not again.weights_from_cache and same(first.params, again.params)  # the checksum caught it
-    assert load_model(directory, precision="w8a8", weights_cache=tmp_path).weights_from_cache  # rebuilt
-    other = load_model(directory, precision="float", weights_cache=tmp_path)  # other settings: another key
+    assert load_model(directory, dtype="float32", precision="w8a8", weights_cache=tmp_path).weights_from_cache
+    other = load_model(directory, dtype="float32", precision="float", weights_cache=tmp_path)  # another key
     assert not other.weights_from_cache
     cached.write_bytes(b"not a safetensors file")
-    assert not load_model(directory, precision="w8a8", weights_cache=tmp_path).weights_from_cache
+    assert not load_model(directory, dtype="float32", precision="w8a8", weights_cache=tmp_path).weights_from_cache
