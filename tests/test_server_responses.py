@@ -91,9 +91,9 @@ def test_chaining_from_an_earlier_response_branches_without_touching_the_first_c
 
 
 def test_text_format_json_schema_makes_output_text_a_document(client):
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
-    r = client.responses.create(model="assistant", input="Give a number", max_output_tokens=20,
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer"], "additionalProperties": False}  # short: random weights finish it
+    r = client.responses.create(model="assistant", input="Give a number", max_output_tokens=40, **GREEDY,
                                 text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
     assert r.status == "completed" and r.text.format.type == "json_schema"
     jsonschema.validate(json.loads(r.output_text), schema)
