@@ -181,3 +181,15 @@ def test_what_is_not_implemented_is_refused_naming_it(server, extra, param):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": "assistant", "input": "Hi", **extra}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param)
+
+
+def test_truncation_auto_drops_old_turns_and_disabled_refuses(server):
+    long = "word " * 150
+    items = [m for i in range(4) for m in ({"role": "user", "content": f"{i} {long}"},
+                                           {"role": "assistant", "content": long})]
+    body = {"model": "assistant", "input": [*items, {"role": "user", "content": "last"}], "max_output_tokens": 2,
+            "store": False}
+    refused = httpx.post(f"{server.url}/v1/responses", json={**body, "truncation": "disabled"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    kept = httpx.post(f"{server.url}/v1/responses", json={**body, "truncation": "auto"}, timeout=60)
+    assert kept.status_code == 200 and kept.json()["usage"]["input_tokens"] < 512
