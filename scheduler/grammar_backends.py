@@ -11,12 +11,12 @@ compact (no whitespace at all), which also keeps small models from looping on wh
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from typing import Any
 
 from core.tokenizer import Tokenizer
 from scheduler.grammar_spec import ConstraintSpec, UnsupportedConstraintError
 from scheduler.schema_rewrite import rewrite
+from scheduler.schema_walk import iter_subschemas
 from scheduler.strict_schema import tighten, wants_strict
 
 __all__ = ["Backend", "GrammarMatcher", "iter_subschemas", "mask_words", "prepare_schema"]
@@ -83,44 +83,15 @@ class Backend(ABC):
     def matcher(self, handle: Any) -> GrammarMatcher: ...
 
 
-# Keywords whose values are schemas (maps of schemas, single schemas, lists of schemas). Everything
-# else is data or an annotation and is not walked into.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = (
-    "additionalProperties", "items", "additionalItems", "contains", "propertyNames", "not", "if", "then",
-    "else", "unevaluatedItems", "unevaluatedProperties",
-)  # fmt: skip
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties", "minContains",
            "maxContains")  # fmt: skip
 
 
-def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
-    """Every object subschema, the root included (iterative: schemas can be deep)."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        yield node
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                stack.extend(node[key].values())
-        for key in _SCHEMA_ONE:
-            if isinstance(node.get(key), dict):
-                stack.append(node[key])
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend(node[key])
-        if isinstance(node.get("dependencies"), dict):
-            stack.extend(node["dependencies"].values())
-
-
 def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[str] | None = None
                    ) -> dict[str, Any]:
-    """Normalize a schema before handing it to a backend (``schema`` is a private copy, mutated): narrowed by
-    `strict_schema.tighten` (``bound_literals``: numbers and second fractions too), then rewritten exactly by
-    `schema_rewrite.rewrite`. ``formats``: the formats the backend asserts; any other is an annotation (as in
+    """Normalize a schema before handing it to a backend (``schema`` is a private copy, mutated): rewritten
+    exactly by `schema_rewrite.rewrite`, then narrowed by `strict_schema.tighten` (``bound_literals``:
+    numbers and second fractions too). ``formats``: the formats the backend asserts; any other is an annotation (as in
     draft 2020-12) and dropped, so its strings are plain strings."""
     if schema is True:
         return {}
@@ -131,11 +102,11 @@ def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[
     # Backend options ride in "x-guidance"; the user does not get to turn on lenient mode or whitespace.
     schema.pop("x-guidance", None)
     strict = wants_strict(schema)
+    # Rewrites first: their proofs (disjoint oneOf branches, what a closed object forbids) must hold for the
+    # schema as written; the narrowing then applies to the rewritten branches too.
+    rewrite(schema)
     if strict:
         tighten(schema, numbers=bound_literals)
-    rewrite(schema)
-    if strict and bound_literals:  # numbers the rewrite wrote (a negated enum's intervals) are bounded too
-        tighten(schema, numbers=True, objects=False)
     for sub in iter_subschemas(schema):
         if formats is not None and isinstance(sub.get("format"), str) and sub["format"] not in formats:
             del sub["format"]

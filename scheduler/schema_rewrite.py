@@ -2,9 +2,10 @@
 schema admits exactly the documents the original admits (nothing is approximated; what cannot be rewritten
 exactly is left for the backend to refuse, naming the keyword).
 
-* ``dependentRequired``, ``dependentSchemas`` (whose schemas only add properties and required keys) and
-  draft 7's ``dependencies``: an ``anyOf`` over which trigger keys are present, each branch the whole
-  object schema with the trigger forbidden, or required together with what it brings (at most 4 triggers).
+* ``dependentRequired``, ``dependentSchemas`` and draft 7's ``dependencies``: an ``anyOf`` over which
+  trigger keys are present, each branch the whole object schema with the trigger forbidden, or required
+  together with what it brings: its required keys and properties merged in, any other keyword of its
+  schema intersected by an ``allOf`` (at most 4 triggers).
 * ``not`` of a ``type`` (the complement of the types), of ``required`` (some listed key absent, up to 4), or
   of a ``const``/``enum`` of scalars (per type: the other booleans, numbers in the open intervals between the
   excluded ones, strings matching a pattern that spells every string but the excluded ones).
@@ -22,32 +23,28 @@ import json
 from typing import Any
 
 from scheduler.grammar_spec import regex_literal
+from scheduler.schema_walk import iter_subschemas
 
 MAX_TRIGGERS = 4  # dependency keys rewritten per object: the rewrite has 2^n branches
 MAX_UNIQUE_VALUES = 3  # uniqueItems over an enum of up to this many values: 16 arrangements at most
 TYPES = ("null", "boolean", "object", "array", "number", "string")  # "integer" is within "number"
+_ANNOTATIONS = ("title", "description", "$comment", "default", "examples")
+_KEPT_ON_NODE = ("$defs", "definitions", "$schema", "$id", "$comment", "title", "description")
+# Keywords whose meaning depends on sibling keywords: never moved between schemas.
+_SIBLING_BOUND = ("additionalProperties", "patternProperties", "unevaluatedProperties", "properties", "items",
+                  "additionalItems", "prefixItems", "unevaluatedItems", "if", "then", "else", "$ref")
 _OBJECT_KEYS = ("type", "properties", "required", "additionalProperties", "patternProperties", "minProperties",
                 "maxProperties", "propertyNames")
 
 
 def rewrite(schema: dict[str, Any]) -> dict[str, Any]:
     """Rewrite ``schema`` in place (every subschema) and return it."""
-    root = schema
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
+    for node in iter_subschemas(schema):
         _dependencies(node)
         _not(node)
-        _one_of(node, root)
+        _one_of(node, schema)
         if node.get("uniqueItems"):
             _unique_items(node)
-        stack.extend(v for k, v in node.items() if isinstance(v, dict | list) and k not in ("enum", "const",
-                                                                                               "default", "examples"))
     return schema
 
 
@@ -55,37 +52,79 @@ def rewrite(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dependencies(node: dict[str, Any]) -> None:
-    triggers: dict[str, tuple[list[str], dict[str, Any]]] = {}  # key -> (keys it requires, schema it brings)
-    for key, value in (node.get("dependencies") or {}).items():
-        triggers[key] = (value, {}) if isinstance(value, list) else ([], value)
-    for key, value in (node.get("dependentRequired") or {}).items():
-        triggers.setdefault(key, ([], {}))[0].extend(value)
-    for key, value in (node.get("dependentSchemas") or {}).items():
-        triggers.setdefault(key, ([], {}))
-        triggers[key] = (triggers[key][0], value)
-    if not triggers or len(triggers) > MAX_TRIGGERS or "anyOf" in node or not _plain_object(node):
+    triggers = _triggers(node)
+    if not triggers or len(triggers) > MAX_TRIGGERS:
         return
-    if any(not isinstance(s, dict) or set(s) - {"properties", "required", "type"} or s.get("type", "object") != "object"
-           for _, s in triggers.values()):
-        return  # a dependent schema that does more than add properties: left for the backend to refuse
+    if node.get("patternProperties") and any(s and s.get("properties") for _, s in triggers.values()):
+        return  # which pattern a brought key matches is not worked out here
+    kept = {k: node.pop(k) for k in list(node) if k in _KEPT_ON_NODE}  # definitions are not copied per branch
     base = {k: v for k, v in node.items() if k not in ("dependencies", "dependentRequired", "dependentSchemas")}
     branches = []
     for present in itertools.product((False, True), repeat=len(triggers)):
         branch = copy.deepcopy(base)
         props = branch.setdefault("properties", {})
         required = list(branch.get("required") or [])
+        also: list[Any] = []  # what the present triggers' schemas say beyond properties
         for (key, (keys, brought)), on in zip(triggers.items(), present, strict=True):
             if not on:
                 props[key] = False
                 continue
+            if brought is None:
+                also.append(False)  # this trigger cannot be present: no branch
+                break
             required += [key, *keys, *(brought.get("required") or [])]
             for name, sub in (brought.get("properties") or {}).items():
-                props[name] = {"allOf": [props[name], sub]} if name in props else sub
+                props[name] = _narrowed(props, base.get("additionalProperties"), name, sub)
+            also += _beyond_properties(brought, branch)
         if required:
             branch["required"] = list(dict.fromkeys(required))
-        branches.append(branch)
+        if False not in also:
+            branches.append({"allOf": [branch, *also]} if also else branch)
     node.clear()
+    node.update(kept)
     node["anyOf"] = branches
+
+
+def _triggers(node: dict[str, Any]) -> dict[str, tuple[list[str], Any]] | None:
+    """Trigger key -> (the keys it requires, the schema it brings; None for ``false``: the key cannot be
+    present); None when a value is malformed (left for the backend to name)."""
+    triggers: dict[str, tuple[list[str], Any]] = {}
+    sources = [("dependencies", node.get("dependencies")), ("dependentRequired", node.get("dependentRequired")),
+               ("dependentSchemas", node.get("dependentSchemas"))]
+    for keyword, table in sources:
+        for key, value in (table or {}).items():
+            keys, brought = triggers.get(key, ([], {}))
+            if isinstance(value, list) and keyword != "dependentSchemas":
+                keys = keys + value
+            elif value is False:
+                brought = None
+            elif isinstance(value, dict) and keyword != "dependentRequired":
+                brought = value if brought == {} else {"allOf": [brought, value]} if brought is not None else None
+            elif value is not True:
+                return None
+            triggers[key] = (keys, brought)
+    return triggers
+
+
+def _beyond_properties(brought: dict[str, Any], branch: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a dependent schema says beyond its properties and required keys: keywords the branch lacks
+    (and whose meaning does not depend on their siblings) are merged into it, the rest returned for an
+    ``allOf``."""
+    contextual = any(k in brought for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+    rest = {k: v for k, v in brought.items() if k not in (*_ANNOTATIONS, "required")
+            and (contextual or k != "properties")}
+    if rest.get("type") == "object":
+        del rest["type"]
+    for key in [k for k in rest if k not in branch and k not in _SIBLING_BOUND and not contextual]:
+        branch[key] = rest.pop(key)
+    return [rest] if rest else []
+
+
+def _narrowed(props: dict[str, Any], additional: Any, name: str, sub: Any) -> Any:
+    """Property ``name``'s schema once a dependent schema adds ``sub``: the object's own rule for the key
+    (its declared schema, else what ``additionalProperties`` says) still holds."""
+    own = props.get(name, True if additional is None else additional)
+    return sub if own is True else False if own is False else {"allOf": [own, sub]}
 
 
 def _plain_object(node: dict[str, Any]) -> bool:

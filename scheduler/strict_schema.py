@@ -4,9 +4,10 @@ narrowed schema admits is valid under the original (each rule below only removes
 * Closed objects: an object that declares ``properties`` admits only those, unless the schema itself
   admits more (``additionalProperties`` true or a schema, ``patternProperties``,
   ``unevaluatedProperties``). This is what XGrammar calls strict mode and vLLM serves by default; without
-  it a small model runs away inventing keys. Objects that take part in an ``allOf`` (and definitions a
-  schema with ``allOf`` may merge) stay as they are: closing one side of an intersection would exclude
-  the other side's properties.
+  it a small model runs away inventing keys. Objects that take part in an ``allOf`` or a
+  ``dependentSchemas`` (and definitions a schema with ``allOf`` may merge) stay as they are: closing one
+  side of an intersection would exclude the other side's properties. Nothing under a ``not`` or an
+  ``if`` is narrowed: narrowing there would widen what the whole schema admits.
 * Bounded numbers: a ``number`` is written with at most 17 significant digits (what a float64 carries),
   at most 9 of them after the point, and no exponent; an ``integer`` with at most 17 digits.
 * Bounded fractions: ``date-time`` and ``time`` strings carry at most 9 fractional-second digits.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from scheduler.schema_walk import children, iter_subschemas
+
 SIGNIFICANT_DIGITS = 17
 FRACTION_DIGITS = range(10)  # one number branch per count of decimals: at most 9, and 17 digits in all
 MAX_INTEGER = 10**SIGNIFICANT_DIGITS - 1
@@ -26,10 +29,10 @@ MAX_INTEGER = 10**SIGNIFICANT_DIGITS - 1
 SECOND_FRACTION_PATTERN = r"^[^.]*(\.[0-9]{1,9}[^0-9.][^.]*)?$"
 OPT_OUT_KEY = "x-slotserve"
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref", "if")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "contains", "propertyNames", "not", "if", "then",
-               "else", "unevaluatedItems", "unevaluatedProperties")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+# Schemas that apply to the same object as their parent: closing one would exclude the other's properties.
+_INTERSECTED = ("allOf", "dependentSchemas", "dependencies")
+# Narrowing under a negation or a condition would widen what the schema admits: left as written.
+_UNTOUCHED = ("not", "if")
 
 
 def wants_strict(schema: dict[str, Any]) -> bool:
@@ -42,30 +45,28 @@ def tighten(schema: dict[str, Any], numbers: bool = True, objects: bool = True) 
     """Narrow ``schema`` in place (see the module docstring) and return it; applying it twice changes nothing
     more. ``numbers``: bound number literals and second fractions (for backends that enforce
     ``minimum``/``maximum``/``multipleOf``); ``objects``: close objects."""
-    merged_defs = "allOf" in _all_keys(schema)
+    merged_defs = any("allOf" in sub for sub in iter_subschemas(schema))
     stack: list[tuple[Any, bool]] = [(schema, False)]
     while stack:
         node, keep_open = stack.pop()
         if not isinstance(node, dict):
             continue
-        if objects and not keep_open and isinstance(node.get("properties"), dict) \
-                and not any(k in node for k in _OPEN_KEYS):
+        if objects and not keep_open and _declares_properties(node) and not any(k in node for k in _OPEN_KEYS):
             _close(node)
         if numbers:
             _bound_literals(node)
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                defs = key in ("$defs", "definitions") and merged_defs
-                stack.extend((sub, defs) for sub in node[key].values())
-        for key in _SCHEMA_ONE:
-            if isinstance(node.get(key), dict):
-                stack.append((node[key], False))
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend((sub, False) for sub in node[key])
-        if isinstance(node.get("allOf"), list):
-            stack.extend((sub, True) for sub in node["allOf"])
+        for key, sub in children(node):
+            if key in _UNTOUCHED:
+                continue
+            keep = key in _INTERSECTED or (key in ("$defs", "definitions") and merged_defs)
+            stack.append((sub, keep))
     return schema
+
+
+def _declares_properties(node: dict[str, Any]) -> bool:
+    """Some property is declared with a schema (a ``false`` one only forbids a key, as rewrites write)."""
+    props = node.get("properties")
+    return isinstance(props, dict) and any(sub is not False for sub in props.values())
 
 
 def _close(node: dict[str, Any]) -> None:
@@ -74,19 +75,6 @@ def _close(node: dict[str, Any]) -> None:
         if isinstance(key, str):
             node["properties"].setdefault(key, {})
     node["additionalProperties"] = False
-
-
-def _all_keys(schema: Any) -> set[str]:
-    keys: set[str] = set()
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            keys.update(node)
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return keys
 
 
 def _bound_literals(node: dict[str, Any]) -> None:

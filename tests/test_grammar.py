@@ -6,6 +6,7 @@ outlines-core test builds its Index over the full vocabulary and is marked slow.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -675,6 +676,48 @@ OBJECTS = [{}, {"a": 1}, {"b": 2}, {"c": 3}, {"a": 1, "b": 2}, {"a": 1, "c": 3},
 ])
 def test_dependencies_and_not_required_are_rewritten_exactly(compiler, tokenizer, schema):
     agrees_with_jsonschema(compiler, tokenizer, schema, OBJECTS)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": CLOSED, "additionalProperties": False,  # beyond adding properties
+     "dependentSchemas": {"a": {"not": {"required": ["c"]}}}},
+    {"type": "object", "properties": CLOSED, "additionalProperties": False,
+     "dependentSchemas": {"a": {"properties": {"b": {"minimum": 5}}, "anyOf": [{"required": ["b"]},
+                                                                                 {"required": ["c"]}]}}},
+    {"type": "object", "properties": CLOSED, "additionalProperties": False,  # boolean dependent schemas
+     "dependentSchemas": {"a": True, "b": False}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False,
+     "dependentSchemas": {"a": {"properties": {"b": {"type": "integer"}}}}},  # b stays forbidden by the object
+    {"type": "object", "properties": CLOSED, "additionalProperties": False,  # the object's own anyOf is kept
+     "anyOf": [{"required": ["a"]}, {"required": ["b"]}], "dependentRequired": {"b": ["c"]}},
+])
+def test_general_dependent_schemas_are_rewritten_exactly(compiler, tokenizer, schema):
+    objects = [*OBJECTS, {"a": 1, "b": 7}, {"a": 1, "b": 7, "c": 3}]
+    agrees_with_jsonschema(compiler, tokenizer, schema, objects)
+
+
+def test_schema_passes_treat_property_names_as_names(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "oneOf": {"type": "integer"},
+                                               "dependentRequired": {"type": "boolean"}},
+              "required": ["not"], "additionalProperties": False}
+    agrees_with_jsonschema(compiler, tokenizer, schema, [{"not": "x"}, {"not": 1}, {"not": "x", "oneOf": 2},
+                                                         {"not": "x", "dependentRequired": True}, {}])
+
+
+def test_one_of_disjointness_is_proven_on_the_schema_as_written(compiler, tokenizer):
+    # Closed by the narrowing, the branches look disjoint, yet {"a": 1} matches both as written.
+    schema = {"oneOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"properties": {"b": {"type": "integer"}}}]}
+    with pytest.raises(UnsupportedConstraintError, match="oneOf"):
+        compiler.compile(ConstraintSpec.json_schema(schema))
+
+
+def test_nothing_under_a_not_is_narrowed():
+    from scheduler.grammar_backends import prepare_schema
+
+    negated = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    prepared = prepare_schema({"type": "object", "not": copy.deepcopy(negated)})
+    assert prepared["not"] == negated  # closing it would admit {"a": 1, "b": 2}, which the schema excludes
 
 
 def test_not_of_a_type_is_the_other_types(compiler, tokenizer):
