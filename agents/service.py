@@ -61,6 +61,8 @@ class RuntimeOptions:
     max_len: int = 8192
     chunk_sizes: tuple[int, ...] = (32, 128, 512)
     compile_cache: str | None = None  # directory; None: the default cache dir; "off": disabled
+    # Ready once the programs over the largest attention bucket are compiled; the rest compile on a thread.
+    background_compile: bool = True
     prefill_budget: int | None = None
     max_waiting: int = 256
     prefix_caching: bool = True
@@ -87,6 +89,7 @@ class Runtime:
     precision_reason: str = ""
     kv_dtype_reason: str = ""
     load_seconds: float = 0.0
+    weights_from_cache: bool = False  # the prepared weights were read back from the weights cache
     compile_seconds: float = 0.0
     _started: bool = field(default=False, repr=False)
 
@@ -142,6 +145,7 @@ def assemble_runtime(
     precision_reason: str = "",
     kv_dtype_reason: str = "",
     load_seconds: float = 0.0,
+    weights_from_cache: bool = False,
     progress: Progress | None = None,
 ) -> Runtime:
     """Grammar compiler + scheduler + chat template around an already warm engine."""
@@ -176,6 +180,7 @@ def assemble_runtime(
         template=ChatTemplate(tokenizer), model_name=model_name, dtype=engine.dtype,
         dtype_reason=dtype_reason, precision=precision, precision_reason=precision_reason,
         kv_dtype_reason=kv_dtype_reason, load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
+        weights_from_cache=weights_from_cache,
     )
 
 
@@ -209,11 +214,11 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
             f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})"))
     engine.warmup((lambda name, done, total: progress("compile the step programs", done, total,
                                                       f"{total} programs" if done == total else name))
-                  if progress else None)
+                  if progress else None, background=options.background_compile)
     return assemble_runtime(engine, model.tokenizer, options, model_name=str(options.model),
                             dtype_reason=model.dtype_reason, precision=model.precision,
                             precision_reason=model.precision_reason, kv_dtype_reason=kv_reason,
-                            load_seconds=model.load_seconds,
+                            load_seconds=model.load_seconds, weights_from_cache=model.weights_from_cache,
                             progress=progress)
 
 

@@ -315,7 +315,7 @@ def host() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f" {f}" in flags]
+        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags.split()]
     except (OSError, StopIteration):
         isa = []
     return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "platform": platform.platform()}

@@ -6,8 +6,10 @@ compilation cache (a fresh machine), then again with it warm (a restart), each u
     python3 benchmarks/startup.py --slots 4 --max-len 2048
 
 Per start: seconds from process start to /ready, the stage durations the server reports (load the model,
-allocate the KV pool, compile the step programs, grammar bridge, start the scheduler) and its slowest
-programs. The cache lives in a temporary directory, so the user's own cache is neither used nor touched.
+allocate the KV pool, compile the step programs, grammar bridge, start the scheduler), what it loaded from
+its caches, one short request's latency right after /ready, and seconds until a background warm-up has
+compiled every program. The caches (XLA, prepared weights, tokenizer) live in a temporary directory, so the
+first start is a fresh machine's and the user's own caches are neither used nor touched.
 """
 
 from __future__ import annotations
@@ -37,32 +39,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_once(cache: Path, slots: int, max_len: int, timeout: float) -> dict:
+def start_once(cache: Path, slots: int, max_len: int, timeout: float, background: bool) -> dict:
+    """One start: seconds to /ready and what it reports, one short request's latency right after, and
+    seconds until every program is compiled (a background warm-up goes on after /ready)."""
     port = free_port()
-    config = cache.parent / f"startup-{port}.yaml"
-    config.write_text(f"model:\n  slots: {slots}\n  max_len: {max_len}\n  compile_cache: {cache}\n"
+    config = cache / f"startup-{port}.yaml"
+    config.write_text(f"model:\n  slots: {slots}\n  max_len: {max_len}\n  compile_cache: {cache / 'xla'}\n"
+                      f"  background_compile: {str(background).lower()}\n"
                       f"server:\n  port: {port}\n  log_level: warning\n")
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "SLOTSERVE_CACHE_DIR": str(cache)}  # weights and tokenizer caches start empty too
     begin = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
                              "serve", "--config", str(config)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env=env)
     try:
-        while time.monotonic() - begin < timeout:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
-                if r.status_code == 200:
-                    body = r.json()
-                    return {"ready_s": round(time.monotonic() - begin, 1), "stages_s": body["startup_s"],
-                            "slowest_programs_s": body["slowest_programs_s"]}
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("the server did not become ready")
+        body = poll(proc, url, begin, timeout, lambda b: True)
+        run = {"ready_s": round(time.monotonic() - begin, 1), "stages_s": body["startup_s"],
+               "weights_from_cache": body["weights_from_cache"], "programs_at_ready": body["programs"],
+               "slowest_programs_s": body["slowest_programs_s"]}
+        sent = time.monotonic()
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=timeout, json={
+            "model": "assistant", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
+        reply.raise_for_status()
+        run["first_request_s"] = round(time.monotonic() - sent, 2)
+        done = poll(proc, url, begin, timeout, lambda b: b["programs"]["compiled"] == b["programs"]["total"])
+        run["all_programs_compiled_s"] = round(time.monotonic() - begin, 1)
+        run["programs_at_end"] = done["programs"]
+        return run
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def poll(proc: subprocess.Popen, url: str, begin: float, timeout: float, until) -> dict:
+    """The /ready body once it is 200 and ``until(body)`` holds."""
+    while time.monotonic() - begin < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            r = httpx.get(f"{url}/ready", timeout=5)
+            if r.status_code == 200 and until(r.json()):
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit("the server did not become ready")
 
 
 def main() -> None:
@@ -70,15 +92,19 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--background", choices=("on", "off"), default="on",
+                        help="model.background_compile: ready after the smallest bucket's programs (on)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "startup-cpu.json")
     args = parser.parse_args()
+    background = args.background == "on"
     with tempfile.TemporaryDirectory() as tmp:
-        cache = Path(tmp) / "xla"
-        runs = {"first start (empty compile cache)": start_once(cache, args.slots, args.max_len, args.timeout),
-                "restart (warm compile cache)": start_once(cache, args.slots, args.max_len, args.timeout)}
+        cache = Path(tmp)
+        runs = {"first start (empty caches)": start_once(cache, args.slots, args.max_len, args.timeout, background),
+                "restart (warm caches)": start_once(cache, args.slots, args.max_len, args.timeout, background)}
     report = {"meta": {"command": "python3 benchmarks/startup.py " + " ".join(sys.argv[1:]), "host": host(),
                        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "config": f"default model, {args.slots} slots x {args.max_len}, the server's CPU defaults",
+                       "config": f"default model, {args.slots} slots x {args.max_len}, the server's CPU defaults, "
+                                 f"background compile {args.background}",
                        "load_average": os.getloadavg()},
               "runs": runs}
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -3,12 +3,13 @@
 Verbs the scheduler reads aloud: `prefill` a slot from position P (continuing what it holds),
 `decode` one token for every slot at once, `sample` the next tokens, `save_slot` / `restore_slot`
 to and from host memory, `copy_prefix` from slot to slot on the device. Every step donates the
-cache, and every shape is compiled in `warmup()`, never per request.
+cache, and every shape is compiled in `warmup()` (`core.programs`), never per request.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import numpy as np
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
 from core.model import forward
+from core.programs import Program, ProgramKey, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
 from core.weights import all_matmuls_integer
 
@@ -113,39 +115,11 @@ class Engine:
         # Decode and both verify steps read the sliding layers through one ring-view length, so their rows
         # compute alike bit for bit (core.kv_cache.ring_view_length).
         step = partial(forward, cfg=cfg, ring_width=max(config.verify_tokens, config.rows_verify_width, 1))
-        # Prefill attends over the bucket covering the slot's positions once its chunk is written, so a chunk
-        # near the start of a slot does not pay for attention over max_len masked positions.
-        self._prefill_fns = {
-            (size, attend): jax.jit(partial(_prefill_step, step=step, attend=attend), donate_argnums=(1,))
-            for size in config.chunk_sizes for attend in self.buckets
-        }
-        self._decode_fns = {
-            size: jax.jit(partial(_decode_step, step=step, attend=size), donate_argnums=(1,)) for size in self.buckets
-        }
-        self._verify_fns = {
-            size: jax.jit(partial(_verify_step, step=step, attend=size), donate_argnums=(1,)) for size in self.buckets
-        }
-        self._verify_rows_fns = {
-            size: jax.jit(partial(_verify_rows_step, step=step, attend=size), donate_argnums=(1,))
-            for size in self.buckets
-        } if self.rows_verify_exact else {}
-        self._prefill_rows_fns = {
-            attend: jax.jit(partial(_prefill_rows_step, step=step, attend=attend), donate_argnums=(1,))
-            for attend in self.buckets
-        }
-        # Slot ranges move to and from the host, or between slots, in bucket-sized pieces (static shapes).
-        self._read_range_fns = {size: jax.jit(partial(_read_range, size=size)) for size in self.buckets}
-        self._write_range_fns = {size: jax.jit(_write_range, donate_argnums=(0,)) for size in self.buckets}
-        self._copy_prefix_fns = {size: jax.jit(partial(_copy_prefix, size=size), donate_argnums=(0,))
-                                 for size in self.buckets}
         self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size)
-        # Top logprobs are always computed at the maximum width (a blocked top-20 costs ~1% of a decode
-        # step) so that a request's `top_logprobs` never selects another compiled program.
-        self._sample_fn = jax.jit(partial(sample, num_top=MAX_LOGPROBS), static_argnames=("needs_full",),
-                                  donate_argnums=(1,))
-        self._sample_row_fn = jax.jit(_sample_row, donate_argnums=(1,))
+        self.programs: dict[ProgramKey, Program] = self._build_programs(step)
+        self.background_warmup: threading.Thread | None = None
         self.compile_seconds = 0.0
-        self.warmup_seconds: dict[str, float] = {}  # per program, filled by `warmup`
+        self.warmup_seconds: dict[str, float] = {}  # per program, filled by `warmup` (and its thread)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -160,59 +134,123 @@ class Engine:
     def bytes_per_slot(self) -> int:
         return cache_bytes_per_slot(self.cfg, self.spec)
 
-    # ---- compile -----------------------------------------------------------------------------
-    def warmup(self, progress: Callable[[str, int, int], None] | None = None) -> float:
-        """Compile every step shape now; writes only to positions no request has claimed yet."""
-        begin = time.perf_counter()
-        jobs: list[tuple[str, Callable[[], Any]]] = [
-            (f"prefill chunk {size} (attends {attend})",
-             partial(self._prefill_chunk, 0, np.zeros(size, np.int32), 0, size, attend))
-            for size in self.config.chunk_sizes for attend in self.buckets
-        ]
-        zeros = np.zeros(self.num_slots, np.int32)
-        idle = np.zeros(self.num_slots, bool)
-        for size in self.buckets:  # position size-1 selects that bucket; idle slots write nothing there
-            at = np.full(self.num_slots, size - 1, np.int32)
-            jobs.append((f"decode step (attends {size})", partial(self.decode, zeros, at, idle)))
+    # ---- programs --------------------------------------------------------------------------
+    def _build_programs(self, step: Callable[..., Any]) -> dict[ProgramKey, Program]:
+        """Every compiled step, keyed by kind and the sizes that fix its shapes."""
+        def jit(fn: Callable[..., Any], donate: int | None = 1, **static: Any) -> Callable[..., Any]:
+            return jax.jit(partial(fn, **static), donate_argnums=() if donate is None else (donate,))
+
+        rows, width, verify = self.num_slots, self.config.rows_verify_width, self.config.verify_tokens
+        table: dict[ProgramKey, tuple[str, Callable[..., Any]]] = {}
         for attend in self.buckets:
-            jobs.append((f"batched prefill {self.num_slots} x {self.row_chunk} (attends {attend})",
-                         partial(self._prefill_rows, [(0, np.zeros(1, np.int32), 0)], attend)))
-        if self.config.verify_tokens > 1:
-            for size in self.buckets:
-                jobs.append((f"speculative verify (attends {size})",
-                             partial(self._verify, 0, np.zeros(1, np.int32), max(size - self.config.verify_tokens, 0))))
-        for size in self._verify_rows_fns:
-            at = np.full(self.num_slots, max(size - self.config.rows_verify_width, 0), np.int32)
-            jobs.append((f"batched speculative verify {self.num_slots} x {self.config.rows_verify_width} "
-                         f"(attends {size})", partial(self._verify_rows, np.zeros((self.num_slots, 1), np.int32),
-                                                      at, np.zeros(self.num_slots, np.int32), size)))
-        no_mask = np.full((self.num_slots, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
-        logits = jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32)
+            # Prefill attends over the bucket covering the slot's positions once its chunk is written, so a
+            # chunk near the start of a slot does not pay for attention over max_len masked positions.
+            for size in self.config.chunk_sizes:
+                table["prefill", size, attend] = (f"prefill chunk {size} (attends {attend})",
+                                                  jit(_prefill_step, step=step, attend=attend))
+            table["decode", attend] = (f"decode step (attends {attend})", jit(_decode_step, step=step, attend=attend))
+            table["prefill_rows", attend] = (f"batched prefill {rows} x {self.row_chunk} (attends {attend})",
+                                             jit(_prefill_rows_step, step=step, attend=attend))
+            if verify > 1:
+                table["verify", attend] = (f"speculative verify (attends {attend})",
+                                           jit(_verify_step, step=step, attend=attend))
+            if self.rows_verify_exact:
+                table["verify_rows", attend] = (f"batched speculative verify {rows} x {width} (attends {attend})",
+                                                jit(_verify_rows_step, step=step, attend=attend))
+            # Slot ranges move to and from the host, or between slots, in bucket-sized pieces (static shapes).
+            table["read", attend] = (f"slot save ({attend} positions)", jit(_read_range, None, size=attend))
+            table["write", attend] = (f"slot restore ({attend} positions)", jit(_write_range, 0))
+            table["copy", attend] = (f"slot copy ({attend} positions)", jit(_copy_prefix, 0, size=attend))
+        # Top logprobs are always computed at the maximum width (a blocked top-20 costs ~1% of a decode
+        # step) so that a request's `top_logprobs` never selects another compiled program.
         for needs_full in (False, True):
-            for mask in (None, no_mask):
-                jobs.append((f"sampler{' full' if needs_full else ''}{' masked' if mask is not None else ''}",
-                             partial(self.sample, logits, idle, zeros, mask, needs_full)))
-        for mask in (None, no_mask[:1]):
-            jobs.append((f"first-token sampler{' masked' if mask is not None else ''}",
-                         partial(self.sample_slot, 0, logits[0], 0, mask)))
-        for size in self.buckets:
-            jobs.append((f"slot save/restore/copy ({size} positions)", partial(self._warm_slot_ops, size)))
-        self.warmup_seconds = {}  # each program's compile (or cache load) and first run
-        for i, (name, job) in enumerate(jobs):
+            for masked in (False, True):
+                table["sample", needs_full, masked] = (
+                    f"sampler{' full' if needs_full else ''}{' masked' if masked else ''}",
+                    jit(sample, num_top=MAX_LOGPROBS, needs_full=needs_full))
+        for masked in (False, True):
+            table["sample_row", masked] = (f"first-token sampler{' masked' if masked else ''}", jit(_sample_row))
+        return {key: Program(name, fn) for key, (name, fn) in table.items()}
+
+    def _example_args(self, key: ProgramKey) -> tuple[Any, ...]:
+        """The abstract arguments program `key` is compiled for: the shapes its call site passes."""
+        def i32(*shape: int) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+        params, cache, sampler = abstract(self.params), abstract(self.cache), abstract(self.sampler)
+        rows, words = self.num_slots, -(-self.cfg.vocab_size // 32)
+        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
+        kind = key[0]
+        if kind == "prefill":
+            return params, cache, i32(1, key[1]), i32(3, 1)
+        if kind == "prefill_rows":
+            return params, cache, i32(rows, self.row_chunk), i32(2, rows)
+        if kind == "decode":
+            return params, cache, i32(3, rows)
+        if kind == "verify":
+            return params, cache, i32(1, self.config.verify_tokens), i32(3)
+        if kind == "verify_rows":
+            return params, cache, i32(rows, self.config.rows_verify_width), i32(2, rows)
+        if kind == "read":
+            return cache, i32(), i32()
+        if kind == "write":
+            values = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((key[1], *a.shape[2:]), a.dtype), cache)
+            return cache, values, i32(4)
+        if kind == "copy":
+            return cache, i32(3)
+        mask = jax.ShapeDtypeStruct((rows if kind == "sample" else 1, words), jnp.uint32) if key[-1] else None
+        if kind == "sample":
+            return logits, sampler, mask, i32(rows), jax.ShapeDtypeStruct((rows,), jnp.bool_)
+        return jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.float32), sampler, i32(), i32(), mask
+
+    def _first_needed(self, key: ProgramKey) -> bool:
+        """Whether a background warm-up compiles this program before reporting ready: the smallest bucket
+        of each kind (short contexts, the first requests), and every sampler."""
+        return key[0] in ("sample", "sample_row") or key[-1] == self.buckets[0]
+
+    def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False) -> float:
+        """Compile every program (never running one: nothing is written). ``background``: compile the
+        programs of the smallest bucket now and the rest, smallest bucket first, on a daemon thread
+        (`background_warmup`); a call that needs one of those before it is ready waits for it. Returns
+        the seconds spent here."""
+        begin = time.perf_counter()
+        keys = list(self.programs)
+        now = [k for k in keys if self._first_needed(k)] if background else keys
+        later = sorted((k for k in keys if k not in now), key=lambda k: k[-1])
+        for i, key in enumerate(now):
             if progress:
-                progress(name, i, len(jobs))
-            started = time.perf_counter()
-            jax.block_until_ready(job())
-            self.warmup_seconds[name] = round(time.perf_counter() - started, 3)
+                progress(self.programs[key].name, i, len(now))
+            self._compile(key)
         if progress:
-            progress("ready", len(jobs), len(jobs))
+            progress("ready", len(now), len(now))
         self.compile_seconds = time.perf_counter() - begin
+        if later:
+            self.background_warmup = threading.Thread(target=self._compile_later, args=(later,),
+                                                      name="slotserve-warmup", daemon=True)
+            self.background_warmup.start()
         return self.compile_seconds
 
-    def _warm_slot_ops(self, size: int) -> None:
-        """Round-trip `size` positions of slot 0 through the host and copy them onto itself (contents unchanged)."""
-        self.restore_slot(0, self.save_slot(0, 0, size))
-        self.copy_prefix(0, 0, size)
+    def _compile(self, key: ProgramKey) -> None:
+        program = self.programs[key]
+        program.compile(*self._example_args(key))
+        self.warmup_seconds[program.name] = program.compile_seconds or 0.0
+
+    def _compile_later(self, keys: list[ProgramKey]) -> None:
+        begin = time.perf_counter()
+        try:
+            for key in keys:
+                self._compile(key)
+        except Exception:  # a call needing the program compiles it itself (and reports what fails)
+            log.exception("background compilation stopped")
+            return
+        log.info("compiled %d more programs in the background in %.1f s", len(keys), time.perf_counter() - begin)
+
+    def program_counts(self) -> dict[str, int]:
+        """How many programs exist, are compiled, and came from the XLA compilation cache (one pass, so the
+        counts agree with each other while a background warm-up runs)."""
+        ready = [p for p in self.programs.values() if p.ready]  # a ready program's from_cache is final
+        return {"total": len(self.programs), "compiled": len(ready),
+                "from_compile_cache": sum(p.from_cache for p in ready)}
 
     # ---- prefill / decode --------------------------------------------------------------------
     def plan_chunks(self, n: int) -> list[int]:
@@ -255,8 +293,8 @@ class Engine:
         padded[0, :n] = tokens
         ints = np.array([[start], [n], [slot]], np.int32)
         attend = attend or self.bucket_for(np.array([start + n - 1]))
-        logits, self.cache = self._prefill_fns[(size, attend)](self.params, self.cache, padded, ints)
-        return logits[0]
+        logits, self.cache = self.programs["prefill", size, attend](self.params, self.cache, padded, ints)
+        return logits
 
     @property
     def row_chunk(self) -> int:
@@ -284,7 +322,7 @@ class Engine:
             ints[0, slot], ints[1, slot] = start, len(piece)
         listed = ints[1] > 0
         attend = attend or self.bucket_for(ints[0][listed] + ints[1][listed] - 1)
-        logits, self.cache = self._prefill_rows_fns[attend](self.params, self.cache, tokens, ints)
+        logits, self.cache = self.programs["prefill_rows", attend](self.params, self.cache, tokens, ints)
         return logits
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> jax.Array:
@@ -292,7 +330,7 @@ class Engine:
         Returns logits [S, V] (device)."""
         packed = np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
                            np.asarray(active, np.int32)])
-        logits, self.cache = self._decode_fns[self.bucket_for(packed[1])](self.params, self.cache, packed)
+        logits, self.cache = self.programs["decode", self.bucket_for(packed[1])](self.params, self.cache, packed)
         return logits
 
     def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> list[int]:
@@ -316,7 +354,7 @@ class Engine:
         padded = np.zeros((1, self.config.verify_tokens), np.int32)
         padded[0, :len(tokens)] = tokens
         ints = np.array([start, len(tokens), slot], np.int32)
-        fn = self._verify_fns[self.bucket_for(np.array([start + len(tokens) - 1]))]
+        fn = self.programs["verify", self.bucket_for(np.array([start + len(tokens) - 1]))]
         greedy, accepted, self.cache = fn(self.params, self.cache, padded, ints)
         greedy, accepted = jax.device_get((greedy, accepted))
         return [int(t) for t in greedy[: int(accepted) + 1]]
@@ -350,7 +388,7 @@ class Engine:
         padded = np.zeros((self.num_slots, self.config.rows_verify_width), np.int32)
         padded[:, :tokens.shape[1]] = tokens
         ints = np.stack([starts, counts]).astype(np.int32)
-        greedy, accepted, self.cache = self._verify_rows_fns[attend](self.params, self.cache, padded, ints)
+        greedy, accepted, self.cache = self.programs["verify_rows", attend](self.params, self.cache, padded, ints)
         return jax.device_get((greedy, accepted))
 
     def rows_verify_room(self, starts: list[int]) -> list[int]:
@@ -382,14 +420,14 @@ class Engine:
         (keys its seeded draw); mask: packed allowed tokens [S, ceil(V/32)] or None (no row constrained);
         needs_full=False selects the cheaper program valid when no active request uses penalties or
         top-k/top-p/min-p."""
-        out = self._sample_fn(logits, self.sampler, mask, np.asarray(steps, np.int32), np.asarray(active, bool),
-                              needs_full=needs_full)
+        program = self.programs["sample", needs_full, mask is not None]
+        out = program(logits, self.sampler, mask, np.asarray(steps, np.int32), np.asarray(active, bool))
         *result, self.sampler = out
         return SampleResult(*jax.device_get(result))
 
     def sample_slot(self, slot: int, logits: jax.Array, step: int, mask: np.ndarray | None = None) -> SampleResult:
         """Sample the token that follows a prefill (logits [V]) with the slot's own parameters."""
-        out = self._sample_row_fn(logits, self.sampler, np.int32(slot), np.int32(step), mask)
+        out = self.programs["sample_row", mask is not None](logits, self.sampler, np.int32(slot), np.int32(step), mask)
         *result, self.sampler = out
         return SampleResult(*jax.device_get(result))
 
@@ -400,7 +438,7 @@ class Engine:
             raise ValueError(f"bad range [{start}, {end})")
         size = self._covering_bucket(end - start)
         at = min(start, self.max_len - size)
-        host = jax.device_get(self._read_range_fns[size](self.cache, np.int32(slot), np.int32(at)))
+        host = jax.device_get(self.programs["read", size](self.cache, np.int32(slot), np.int32(at)))
         lo = start - at
         layers = {key: {name: np.ascontiguousarray(arr[lo:lo + end - start]) for name, arr in entry.items()}
                   for key, entry in host.items()}
@@ -420,19 +458,20 @@ class Engine:
                 padded[lo:lo + n] = part
                 values[key][name] = padded
         bounds = np.array([slot, at, lo, lo + n], np.int32)
-        self.cache = self._write_range_fns[size](self.cache, values, bounds)
+        self.cache = self.programs["write", size](self.cache, values, bounds)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make slot dst hold positions 0..n-1 of slot src, on the device (src must hold at least n positions)."""
         if not 0 <= n <= self.max_len or not (0 <= src < self.num_slots and 0 <= dst < self.num_slots):
             raise ValueError(f"cannot copy {n} positions from slot {src} to slot {dst}")
         size = self._covering_bucket(n)
-        self.cache = self._copy_prefix_fns[size](self.cache, np.array([src, dst, n], np.int32))
+        self.cache = self.programs["copy", size](self.cache, np.array([src, dst, n], np.int32))
 
 
 def _prefill_step(params, cache, tokens, ints, *, step, attend: int):
     start, n_valid, slot = ints[0], ints[1], ints[2]
-    return step(params, cache, tokens, start, n_valid, slot, logits_mode="last", attend=attend)
+    logits, cache = step(params, cache, tokens, start, n_valid, slot, logits_mode="last", attend=attend)
+    return logits[0], cache  # [V]: the one row, sliced inside the program (an eager slice compiles a program)
 
 
 def _prefill_rows_step(params, cache, tokens, ints, *, step, attend: int):

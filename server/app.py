@@ -266,6 +266,17 @@ def _engine_failed(reason: str) -> JSONResponse:
     return JSONResponse(body, status_code=503)
 
 
+def _startup_summary(state: ServerState) -> dict[str, Any]:
+    """What start-up took and what it loaded rather than built (the caches of a restart)."""
+    runtime = state.runtime
+    engine = runtime.engine
+    timed = dict(engine.warmup_seconds)  # copied at once: a background warm-up adds entries meanwhile
+    slowest = sorted(timed.items(), key=lambda kv: -kv[1])[:5]
+    return {"startup_s": state.startup.report()["stages_s"], "slowest_programs_s": dict(slowest),
+            "weights_from_cache": runtime.weights_from_cache,
+            "programs": engine.program_counts()}
+
+
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health", tags=["operations"])
     async def health(request: Request) -> JSONResponse:
@@ -286,10 +297,8 @@ def _add_routes(app: FastAPI) -> None:
             body.update(status="store_unavailable", store="unavailable")
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         if state.ready.is_set() and not state.shutting_down:
-            programs = sorted(state.runtime.engine.warmup_seconds.items(), key=lambda kv: -kv[1])
             return JSONResponse({"status": "ready", "model": state.runtime.model_name, "store": "ok",
-                                 "startup_s": state.startup.report()["stages_s"],
-                                 "slowest_programs_s": dict(programs[:5])})
+                                 **_startup_summary(state)})
         status = "shutting_down" if state.shutting_down else ("failed" if state.load_error else "loading")
         where = state.startup.report()
         body = error_body(f"not ready: {state.load_error or where['stage'] or status}", "service_unavailable", None,

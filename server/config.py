@@ -28,6 +28,7 @@ class ModelSection(_Section):
     max_len: int = Field(8192, ge=16)
     chunk_sizes: list[int] = Field(default_factory=lambda: [32, 128, 512], min_length=1)
     compile_cache: str | None = None  # directory; None: ~/.cache/slotserve/xla; "off": disabled
+    background_compile: bool = True  # ready after the largest-bucket programs; the rest compile meanwhile
 
     @field_validator("chunk_sizes")
     @classmethod
@@ -110,7 +111,8 @@ class ServerConfig(_Section):
         return RuntimeOptions(
             model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, precision=m.precision, num_slots=m.slots,
             max_len=m.max_len,
-            chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache, prefill_budget=s.prefill_budget,
+            chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache,
+            background_compile=m.background_compile, prefill_budget=s.prefill_budget,
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
             host_tier_bytes=s.host_tier_bytes,
             grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,

@@ -49,7 +49,7 @@ def one_slot_step(engine: Engine, slot: int, token: int, position: int) -> np.nd
     positions = np.zeros(engine.num_slots, np.int32)
     active = np.zeros(engine.num_slots, bool)
     tokens[slot], positions[slot], active[slot] = token, position, True
-    return np.asarray(engine.decode(tokens, positions, active)[slot])
+    return np.asarray(engine.decode(tokens, positions, active))[slot]  # no eager jax op (it would compile)
 
 
 def greedy(engine: Engine, slot: int, prompt: np.ndarray, n: int) -> list[int]:
@@ -408,3 +408,25 @@ def test_generation_with_every_sampler_variant_compiles_nothing_new(setup):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert [len(r.generated_ids) for r in results] == [r.max_tokens for r in requests]
     assert [c for c in compiles if c == "/jax/core/compile/backend_compile_duration"] == []
+
+
+def test_background_warmup_compiles_the_smallest_bucket_first_and_the_rest_meanwhile(setup):
+    cfg, engine, _ = setup
+    eng = Engine(cfg, engine.params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS,
+                                                  decode_buckets=BUCKETS, verify_width=VERIFY), "float32")
+    eng.warmup(background=True)
+    first = [k for k, p in eng.programs.items() if k[-1] == 16 or k[0].startswith("sample")]
+    assert all(eng.programs[k].ready for k in first) and len(first) < len(eng.programs)
+    prompt = np.random.default_rng(8).integers(3, cfg.vocab_size, size=40)  # needs the 64 bucket: may wait
+    during = greedy(eng, 0, prompt, 6)
+    eng.background_warmup.join(timeout=300)
+    assert eng.program_counts()["compiled"] == len(eng.programs)
+    compiles = []
+    listener = lambda name, *_, **__: compiles.append(name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        after = greedy(eng, 1, prompt, 6)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert "/jax/core/compile/backend_compile_duration" not in compiles
+    assert after == during == greedy(engine, 2, prompt, 6)

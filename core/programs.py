@@ -1,0 +1,70 @@
+"""Compiled programs: one jitted step at fixed shapes, compiled ahead of its first call.
+
+A `Program` is compiled from abstract arguments (shapes and dtypes, `abstract`), so warm-up never runs a
+step and may compile on another thread while the engine serves: nothing it touches is a live buffer. The
+XLA compilation cache, when enabled, serves a program compiled by an earlier process. A call to a program
+not compiled yet compiles it first, or waits for the thread compiling it: a call never switches to another
+program (a larger attention bucket is not bit-identical on every backend).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+
+ProgramKey = tuple[Hashable, ...]  # (kind, then the sizes that fix its shapes), e.g. ("decode", 1024)
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_hits: collections.Counter[int] = collections.Counter()  # thread id -> XLA cache hits, to tell what was loaded
+
+
+def _count_hit(event: str, **_: Any) -> None:
+    if event == _CACHE_HIT:
+        _hits[threading.get_ident()] += 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
+
+
+def abstract(tree: Any) -> Any:
+    """Shapes and dtypes of every array in a pytree (what a program is compiled for)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+class Program:
+    """One jitted function at one signature. Thread-safe: two threads compiling it compile it once."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self.name = name  # what a person reads in the progress display
+        self._fn = fn  # jax.jit-wrapped, donation included
+        self._compiled: Any = None  # jax.stages.Compiled once `compile` has run
+        self._lock = threading.Lock()
+        self.compile_seconds: float | None = None  # None: not compiled ahead
+        self.from_cache = False  # its executable came from the XLA compilation cache
+
+    @property
+    def ready(self) -> bool:
+        return self._compiled is not None
+
+    def compile(self, *args: Any) -> float:
+        """Lower and compile for these (abstract or concrete) arguments; seconds taken (0 if it was ready)."""
+        with self._lock:
+            if self._compiled is not None:
+                return 0.0
+            begin, hits = time.perf_counter(), _hits[threading.get_ident()]
+            compiled = self._fn.lower(*args).compile()
+            self.from_cache = _hits[threading.get_ident()] > hits  # set before `ready` turns true
+            self._compiled = compiled
+            self.compile_seconds = round(time.perf_counter() - begin, 3)
+            return self.compile_seconds
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self._compiled
+        if compiled is None:  # not warmed up yet: compile now (or wait for the thread compiling it)
+            self.compile(*args)
+            compiled = self._compiled
+        return compiled(*args)

@@ -1,0 +1,86 @@
+"""`slotserve serve` started twice on the same caches: the second start reads the prepared weights back and
+takes every program it compiles before /ready from the XLA compilation cache (asserted on what /ready says was
+loaded, not on time); with a background warm-up it is ready before every program is compiled and still
+answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from test_server_helpers import VOCAB, free_port, wait_until
+
+pytestmark = pytest.mark.slow  # builds a transformers checkpoint; two real server starts
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, default_gguf) -> Path:
+    """A tiny Gemma 3 checkpoint with the real tokenizer (so its vocabulary is the real one)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    import tiny_models
+    from core.tokenizer import Tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-serve")
+    fields = {k: v for k, v in tiny_models.GEMMA3.items() if k != "model_type"}
+    Gemma3ForCausalLM(Gemma3TextConfig(**{**fields, "vocab_size": VOCAB})).save_pretrained(directory)
+    Tokenizer.from_pretrained(default_gguf).save(directory)
+    return directory
+
+
+def start(config: Path, cache: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "SLOTSERVE_CACHE_DIR": str(cache)}
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(config), "--port",
+                             str(port)], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env,
+                            cwd=Path(__file__).resolve().parent.parent)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}; see {log}")
+        try:
+            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ready, timeout=300, interval=0.2)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def test_a_restart_loads_weights_and_programs_from_its_caches(checkpoint, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"name": str(checkpoint), "slots": 2, "max_len": 2048, "chunk_sizes": [16, 64],
+                  "compile_cache": str(tmp_path / "xla")},
+        "server": {"log_json": False},
+    }))
+    cache, log = tmp_path / "cache", tmp_path / "serve.log"
+    readies = []
+    for _ in range(2):
+        proc, url = start(config, cache, log)
+        try:
+            readies.append(httpx.get(f"{url}/ready", timeout=5).json())
+            reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "assistant", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+            assert reply.status_code == 200, reply.text
+        finally:
+            stop(proc)
+    first, second = readies
+    assert first["weights_from_cache"] is False and first["programs"]["from_compile_cache"] == 0
+    assert second["weights_from_cache"] is True
+    assert second["programs"]["compiled"] > 0
+    assert second["programs"]["from_compile_cache"] == second["programs"]["compiled"]
+    # Ready before the larger buckets were compiled (they come after the smallest bucket's programs).
+    assert first["programs"]["compiled"] < first["programs"]["total"]
