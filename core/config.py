@@ -7,7 +7,6 @@ once here, so the model code never re-derives them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -329,6 +328,3 @@ def expected_tensor_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]]
             shapes[p + "post_per_layer_input_norm.weight"] = (h,)
     return shapes, optional
 
-
-def embed_scale(cfg: ModelConfig) -> float:
-    return math.sqrt(cfg.hidden_size)

@@ -24,7 +24,8 @@ KV_DTYPES = ("compute", "int8", *VALID_DTYPES)
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "slotserve")
+    """Every slotserve cache lives under this: ``$SLOTSERVE_CACHE_DIR``, else ``~/.cache/slotserve``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "slotserve").expanduser()
 
 
 def configure_environment(platform: str | None = None) -> None:

@@ -28,6 +28,9 @@ from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state
 from core.weights import all_matmuls_integer
 
 log = logging.getLogger(__name__)
+# Programs that only speed up what other programs also do (a verify step is a few decode steps, a batched
+# prefill several single ones): a background warm-up compiles them after reporting ready.
+OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows")
 
 
 @dataclass(frozen=True)
@@ -204,9 +207,10 @@ class Engine:
         return jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.float32), sampler, i32(), i32(), mask
 
     def _first_needed(self, key: ProgramKey) -> bool:
-        """Whether a background warm-up compiles this program before reporting ready: the smallest bucket
-        of each kind (short contexts, the first requests), and every sampler."""
-        return key[0] in ("sample", "sample_row") or key[-1] == self.buckets[0]
+        """Whether a background warm-up compiles this program before reporting ready: every sampler, and
+        the smallest bucket's prefill, decode and slot copies (short contexts, the first requests). The
+        speedups (speculative verification, batched prefill) wait: the scheduler uses them once compiled."""
+        return key[0] in ("sample", "sample_row") or (key[-1] == self.buckets[0] and key[0] not in OPTIONAL_KINDS)
 
     def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False) -> float:
         """Compile every program (never running one: nothing is written). ``background``: compile the
@@ -244,6 +248,12 @@ class Engine:
             log.exception("background compilation stopped")
             return
         log.info("compiled %d more programs in the background in %.1f s", len(keys), time.perf_counter() - begin)
+
+    def compiled_for(self, kind: str, positions: list[int] | np.ndarray) -> bool:
+        """Whether the ``kind`` program (one of OPTIONAL_KINDS) covering these positions is compiled, so a
+        scheduler can leave a speedup out rather than wait for it."""
+        program = self.programs.get((kind, self.bucket_for(np.asarray(positions))))
+        return program is not None and program.ready
 
     def program_counts(self) -> dict[str, int]:
         """How many programs exist, are compiled, and came from the XLA compilation cache (one pass, so the

@@ -348,7 +348,7 @@ def write_chunk(
     rows = (jnp.arange(positions.shape[0]) if slots is None else slots)[:, None]
     if "k_scale" in entry:
         for name, value in (("k", k), ("v", v)):
-            q, s = quantize_kv(value)
+            q, s = quantize_int8(value)  # per position and head: [B, T, kh, d] -> int8, f32 [B, T, kh]
             entry[name] = entry[name].at[rows, target].set(q, mode="drop")
             entry[name + "_scale"] = entry[name + "_scale"].at[rows, target].set(s, mode="drop")
     else:
@@ -364,7 +364,3 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     q = jnp.round(x32 / jnp.where(scale == 0, 1.0, scale)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
-
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per position and head: x [B, T, kh, d] -> (int8 [B, T, kh, d], f32 [B, T, kh])."""
-    return quantize_int8(x)

@@ -43,8 +43,6 @@ class LoadedModel:
 def load_model(
     model: str | Path,
     dtype: str | None = None,
-    int8_matrices: bool = False,
-    int4_ple: bool = False,
     precision: str | None = "float",
     progress: Callable[[int, int], None] | None = None,
     weights_cache: Path | None = None,
@@ -59,7 +57,7 @@ def load_model(
     # None: chosen per device; the default stays "float" so library callers get the reference path.
     precision, precision_reason = choose_precision(precision)
     log.info("weight precision %s (%s)", precision, precision_reason)
-    policy = WeightPolicy(dtype=chosen, int8_matrices=int8_matrices, int4_ple=int4_ple, precision=precision)
+    policy = WeightPolicy(dtype=chosen, precision=precision)
     params, cached = None, False
     if weights_cache is not None:
         key = weight_cache.cache_key(weight_cache.checkpoint_identity(Path(source.path)), asdict(policy))

@@ -27,7 +27,9 @@ from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, proces
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer", "default_cache_dir", "read_gguf_metadata"]
+from core.device import default_cache_dir
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "read_gguf_metadata", "tokenizer_cache_dir"]
 
 # Bump when the GGUF -> tokenizer.json conversion changes, so stale cache entries are not reused.
 _BUILD_VERSION = "1"
@@ -41,11 +43,9 @@ _CONTROL, _USER_DEFINED = 3, 4
 _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
 
-def default_cache_dir() -> Path:
-    """``$SLOTSERVE_CACHE_DIR/tokenizers`` if set, else ``~/.cache/slotserve/tokenizers``."""
-    root = os.environ.get("SLOTSERVE_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "slotserve"
-    return base / "tokenizers"
+def tokenizer_cache_dir() -> Path:
+    """Where GGUF tokenizers are cached once converted: ``<slotserve cache>/tokenizers``."""
+    return default_cache_dir() / "tokenizers"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,14 +325,14 @@ class Tokenizer:
         """Load from a directory holding tokenizer.json (+ optional tokenizer_config.json) or a .gguf file.
 
         A GGUF is converted once and cached as ``<cache_dir>/<sha256 of its tokenizer metadata>/``
-        (cache_dir defaults to `default_cache_dir()`); later loads read that tokenizer.json.
+        (cache_dir defaults to `tokenizer_cache_dir()`); later loads read that tokenizer.json.
         """
         path = Path(path).expanduser()
         if path.is_dir():
             return cls._from_dir(path)
         if path.suffix.lower() != ".gguf" and path.name == _TOKENIZER_FILE:
             return cls._from_dir(path.parent)
-        return cls._from_gguf(path, Path(cache_dir) if cache_dir is not None else default_cache_dir())
+        return cls._from_gguf(path, Path(cache_dir) if cache_dir is not None else tokenizer_cache_dir())
 
     @classmethod
     def _from_dir(cls, directory: Path, *, from_cache: bool = False) -> Tokenizer:

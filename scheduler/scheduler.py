@@ -54,6 +54,16 @@ log = logging.getLogger(__name__)
 ROWS_VERIFY_COST_PRIOR = 1.5
 MASK_FILLS_KEPT = 4096  # grammar-mask fill timings kept for /metrics (a few minutes of constrained decoding)
 ROW_PREFILL_CHUNKS = 4  # prefills with at most this many smallest chunks left advance in the batched call
+# A piece is padded up to the chunk size covering it only while the padding is at most this share of it:
+# padded positions cost full compute on CPU, so a larger waste is better split into smaller chunks.
+MAX_PADDING_SHARE = 0.25
+# The batched prefill costs about a full row of every slot, so it runs only when this share of the slots
+# (and at least 2 prefills) would use it.
+MIN_ROW_PREFILL_SHARE = 0.5
+# Step times are smoothed (exponential moving average, this weight on the newest) so one slow step (a GC
+# pause, a compile after start-up) does not flip the speculation decision.
+STEP_TIME_SMOOTHING = 0.2
+IDLE_POLL_S = 0.05  # how long an idle engine loop blocks on its inbox before checking for a stop
 
 
 @dataclass(frozen=True)
@@ -197,7 +207,7 @@ class Scheduler:
             while not self._stopping.is_set():
                 if not self._has_work():
                     try:
-                        self._inbox_to_waiting(self._inbox.get(timeout=0.05))
+                        self._inbox_to_waiting(self._inbox.get(timeout=IDLE_POLL_S))
                     except queue.Empty:
                         continue
                 self.step()
@@ -310,7 +320,7 @@ class Scheduler:
                 piece = min(seq.next_boundary(cursor, sizes[0]) - cursor, sizes[-1])
                 covering = next(size for size in sizes if size >= piece)
                 fitting = [size for size in sizes if size <= min(piece, budget)]
-                if covering <= budget and (not fitting or covering - piece <= piece // 4):
+                if covering <= budget and (not fitting or covering - piece <= piece * MAX_PADDING_SHARE):
                     n, cost = piece, covering
                 elif fitting:
                     n = cost = fitting[-1]
@@ -330,7 +340,10 @@ class Scheduler:
         width, rows = self.engine.row_chunk, self.engine.num_slots
         short = [seq for seq in self._prefilling
                  if seq.awaiting is None and len(seq.prompt) - seq.cursor <= ROW_PREFILL_CHUNKS * width]
-        if len(short) < max(2, rows // 2):
+        if len(short) < max(2, rows * MIN_ROW_PREFILL_SHARE):
+            return budget
+        ends = [min(len(seq.prompt), seq.cursor + width) - 1 for seq in short]
+        if not self.engine.compiled_for("prefill_rows", ends):  # still compiling after start-up
             return budget
         plan.rows = [PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:seq.cursor + width], np.int32))
                      for seq in short]
@@ -358,6 +371,8 @@ class Scheduler:
         if self.engine.config.verify_tokens < 2 or not self._may_speculate(seq):
             return None
         start = self.kv.held(seq)
+        if not self.engine.compiled_for("verify", [start]):  # still compiling after start-up
+            return None
         # verify_room keeps the chunk inside one attention bucket (so also within max_len)
         room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1)
         draft = seq.draft(room)
@@ -369,6 +384,8 @@ class Scheduler:
         if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
             return []
         starts = [self.kv.held(seq) for seq in running]
+        if not self.engine.compiled_for("verify_rows", starts):  # still compiling after start-up
+            return []
         drafts = [seq.draft(min(room, seq.max_tokens - len(seq.generated)) - 1)
                   for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
         expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
@@ -405,7 +422,8 @@ class Scheduler:
         self.mask_fills.extend(outcome.mask_fills)
         for kind, seconds in outcome.seconds.items():
             last = self._step_seconds[kind]
-            self._step_seconds[kind] = seconds if last is None else 0.8 * last + 0.2 * seconds
+            self._step_seconds[kind] = seconds if last is None else (
+                (1 - STEP_TIME_SMOOTHING) * last + STEP_TIME_SMOOTHING * seconds)
         if plan.decode:
             self.stats.decode_steps += 1
             for row in plan.decode:

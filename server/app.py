@@ -40,7 +40,7 @@ from server.admin_api import router as admin_router
 from server.anthropic_api import router as anthropic_router
 from server.auth import Auth
 from server.config import ServerConfig
-from server.errors import APIError, error_body, install_error_handlers, is_anthropic_path
+from server.errors import NOT_READY_RETRY_AFTER_S, APIError, error_body, install_error_handlers, is_anthropic_path
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
 from server.responses_api import router as responses_router
@@ -295,7 +295,7 @@ def _add_routes(app: FastAPI) -> None:
         except StoreUnavailableError as e:
             body = error_body(f"not ready: {e}", "service_unavailable", None, "store_unavailable")
             body.update(status="store_unavailable", store="unavailable")
-            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
         if state.ready.is_set() and not state.shutting_down:
             return JSONResponse({"status": "ready", "model": state.runtime.model_name, "store": "ok",
                                  **_startup_summary(state)})
@@ -304,7 +304,7 @@ def _add_routes(app: FastAPI) -> None:
         body = error_body(f"not ready: {state.load_error or where['stage'] or status}", "service_unavailable", None,
                           status)
         body.update(status=status, detail=where["stage"], progress=where)
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:

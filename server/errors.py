@@ -125,6 +125,7 @@ def validation_error(errors: list[dict[str, Any]], status: int = 400) -> APIErro
 
 
 RETRY_AFTER_S = 2  # what a 429 tells the client to wait before retrying
+NOT_READY_RETRY_AFTER_S = 5  # a server still loading (or its store down) is polled less often
 
 
 def install_error_handlers(app: FastAPI) -> None:

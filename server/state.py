@@ -17,7 +17,7 @@ from agents.spec import AgentSpec
 from agents.store import Store
 from server.auth import Auth
 from server.config import ServerConfig
-from server.errors import APIError
+from server.errors import NOT_READY_RETRY_AFTER_S, APIError
 from server.metrics import Metrics
 from server.startup import StartupProgress
 
@@ -85,7 +85,7 @@ class ServerState:
             stage = self.startup.report()["stage"] or "starting"
             detail = f"model failed to load: {self.load_error}" if self.load_error else f"loading: {stage}"
             raise APIError(503, f"the model is not ready ({detail})", code="model_not_ready",
-                           headers={"Retry-After": "5"})
+                           headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
         return self.service
 
 

@@ -244,6 +244,20 @@ def test_threaded_loop_serves_sync_and_asyncio_callers(engine, tokenizer):
         sched.stop()
 
 
+def test_speedups_wait_until_their_programs_are_compiled(engine, tokenizer):
+    """While a background warm-up has not compiled the verify programs, a greedy stream decodes plainly
+    (same tokens) instead of waiting for them; once they are compiled it speculates."""
+    fresh = Engine(engine.cfg, engine.params, engine.config, "float32")  # nothing compiled ahead
+    prompt = ids(40, 12) * 4
+    sched = make(fresh, tokenizer)
+    early = run_all(sched, [request(prompt, max_tokens=12)])[0]
+    assert sched.stats.speculative_steps == 0 and not fresh.compiled_for("verify", [0])
+    fresh.warmup()
+    sched = make(fresh, tokenizer)
+    late = run_all(sched, [request(prompt, max_tokens=12)])[0]
+    assert sched.stats.speculative_steps > 0 and late[0] == early[0]
+
+
 def test_lone_greedy_stream_speculates_and_yields_exactly_the_plain_tokens(engine, tokenizer):
     prompt = ids(40, 12) * 4  # repetitive, so prompt lookup finds drafts from the start
     for max_tokens in (40, 9):  # 9: the length limit lands inside a multi-token step

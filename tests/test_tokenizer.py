@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizer_fixtures import CORPUS, random_texts, reference_tokenizer
 
-from core.tokenizer import IncrementalDetokenizer, Tokenizer, default_cache_dir, read_gguf_metadata
+from core.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_metadata, tokenizer_cache_dir
 
 # --------------------------------------------------------------------------------------------------
 # fixtures
@@ -90,7 +90,7 @@ def test_gguf_build_is_fast_and_cached(build_times, tok_cache, gguf_path, capsys
 
 def test_cache_dir_env_var(monkeypatch, tmp_path, tok_cache, gguf_path):
     monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path))
-    assert default_cache_dir() == tmp_path / "tokenizers"
+    assert tokenizer_cache_dir() == tmp_path / "tokenizers"
     _, key = read_gguf_metadata(gguf_path)
     shutil.copytree(tok_cache / key, tmp_path / "tokenizers" / key)  # seed it; a cold build is tested above
     assert Tokenizer.from_pretrained(gguf_path).from_cache
