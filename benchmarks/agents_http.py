@@ -211,13 +211,18 @@ def summarize(run: dict[str, Any], template: Any, computed: int | None) -> dict[
 
 # ---- servers ---------------------------------------------------------------------------------------------------
 
-def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, path: str, timeout: float) -> float:
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, path: str, timeout: float,
+                 every_program: bool = False) -> float:
+    """Seconds until ``path`` answers 200 (``every_program``: and slotserve's /ready says every program is
+    compiled, so a background warm-up does not share the cores with the measured workload)."""
     import httpx
 
     begin = time.monotonic()
     while True:
         try:
-            if httpx.get(f"{url}{path}", timeout=5).status_code == 200:
+            r = httpx.get(f"{url}{path}", timeout=5)
+            programs = r.json().get("programs", {}) if r.status_code == 200 and every_program else {}
+            if r.status_code == 200 and programs.get("compiled") == programs.get("total"):
                 return time.monotonic() - begin
         except httpx.HTTPError:
             pass
@@ -279,6 +284,10 @@ def measure(kind: str, server: dict[str, Any], proc: subprocess.Popen, args: arg
             work: dict[str, Any], template: Any) -> dict[str, Any]:
     ready_s = wait_healthy(server["url"], proc, server["log"], server["ready_path"], args.start_timeout)
     log(f"{server['name']} ready after {ready_s:.1f} s")
+    if kind == "ours":
+        ready_s = wait_healthy(server["url"], proc, server["log"], server["ready_path"], args.start_timeout,
+                               every_program=True)
+        log(f"{server['name']}: every program compiled after {ready_s:.1f} s")
     asyncio.run(warm_up(server, args))
     before = scheduler_counters(server["url"]) if kind == "ours" else {}
     run = asyncio.run(run_workload(server, work, args))

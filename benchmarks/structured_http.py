@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import host  # noqa: E402 - after the path set-up that makes it importable
+from benchmarks.agents_http import host, wait_healthy  # noqa: E402 - after the path set-up that makes it importable
 
 SUITE = ROOT / "tests" / "data" / "json-schema" / "jsonschemabench-sample"
 TOOLS = [
@@ -67,20 +67,6 @@ def start_server(tree: Path, port: int, max_tokens: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, "serve", "--config", str(config)], cwd=tree,
                             env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1200) -> float:
-    begin = time.monotonic()
-    while time.monotonic() - begin < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return time.monotonic() - begin
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit("the server did not become ready")
 
 
 def schema_requests(count: int, seed: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -180,7 +166,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args.tree.resolve(), port, args.max_tokens)
     try:
-        ready_s = wait_ready(url, proc)
+        ready_s = wait_healthy(url, proc, Path("(no log kept)"), "/ready", 1200, every_program=True)
         requests = schema_requests(args.schemas, args.seed, args.max_tokens) + tool_requests(args.max_tokens)
         begin = time.perf_counter()
         results = asyncio.run(run_all(url, requests, args.concurrency))
