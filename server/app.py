@@ -215,7 +215,7 @@ def _open_store(config: ServerConfig) -> Store:
     s = config.store
     options = {"session_ttl": s.session_ttl_s or None, "max_sessions_per_agent": s.max_sessions_per_agent or None}
     if s.url.startswith(("redis://", "rediss://", "unix://")):
-        from agents.redis_store import RedisStore
+        from agents.store.redis_store import RedisStore
 
         return RedisStore(s.url, prefix=s.prefix, timeout_s=s.timeout_s, **options)
     return open_store(s.url, **options)

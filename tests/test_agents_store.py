@@ -20,7 +20,6 @@ import pytest
 import redis
 
 from agents.messages import MessageError
-from agents.redis_store import RedisStore
 from agents.registry import AgentConflictError, AgentRegistry, UnknownAgentError
 from agents.spec import AgentSpec
 from agents.store import (
@@ -31,6 +30,7 @@ from agents.store import (
     StoreError,
     open_store,
 )
+from agents.store.redis_store import RedisStore
 
 StoreFactory = Callable[..., Store]
 

@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from agents.spec import AgentSpec
-from agents.store import (
+from agents.store.base import (
     AgentGoneError,
     PutMode,
     Session,
