@@ -177,7 +177,8 @@ def main() -> None:
         proc.wait(60)
     tree_commit = subprocess.run(["git", "-C", str(args.tree), "rev-parse", "HEAD"], capture_output=True,
                                  text=True).stdout.strip()
-    run = {"label": args.label, "tree_commit": tree_commit, "ready_s": round(ready_s, 1), "wall_s": round(wall, 1),
+    run = {"label": args.label, "tree_commit": tree_commit, "host": host(), "ready_s": round(ready_s, 1),
+           "wall_s": round(wall, 1),
            "schemas": summary(results, "schema"), "tools": summary(results, "tool"), "mask": masks,
            "results": results}
     report = json.loads(args.out.read_text()) if args.out.exists() else {}

@@ -1,4 +1,4 @@
-"""The `slotserve` command: generate, tokenize (and serve, once the server lands).
+"""The `slotserve` command: serve, generate, tokenize.
 
 Heavy imports happen inside each command so that `configure_environment()` runs before JAX loads.
 """
@@ -65,9 +65,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=8, help="KV slots (concurrent sequences)")
     parser.add_argument("--max-len", type=int, default=8192, help="positions per slot")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: by device)")
-    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: the compute dtype or int8")
-    parser.add_argument("--precision", default="float", choices=("float", "f32", "w8a8"),
-                        help="weight matrices: float (the reference, default) or w8a8 (int8 weights and activations)")
+    parser.add_argument("--kv-dtype", default=None, choices=("compute", "int8", "float32", "bfloat16", "float16"),
+                        help="KV cache dtype (default: as the server chooses per device)")
+    parser.add_argument("--precision", default=None, choices=("float", "f32", "w8a8"),
+                        help="weight matrices: float (the reference) or w8a8 (int8 weights and activations); "
+                             "default: as the server chooses per device")
     parser.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory")
 
 
@@ -83,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_environment()
     try:
         if args.command == "generate":
-            from core.generate_cli import run_generate
+            from agents.generate_cli import run_generate
 
             return run_generate(args)
         if args.command == "serve":
@@ -91,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_serve(args)
         if args.command == "tokenize":
-            from core.generate_cli import run_tokenize
+            from agents.generate_cli import run_tokenize
 
             return run_tokenize(args)
     except (ValueError, OSError) as exc:

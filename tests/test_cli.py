@@ -31,8 +31,9 @@ def generated(tmp_path_factory):
                    "--prompt-ids", "2,818,5279", "--prompts-file", str(prompts_file),
                    "--max-tokens", "16", "--temperature", "0", "--json", *SMALL_ENGINE)
     assert proc.returncode == 0, proc.stderr
-    assert "KV pool: 2 slots x 256 positions" in proc.stderr and "MiB per slot" in proc.stderr
-    assert "compiling" in proc.stderr  # the warm-up progress display
+    # The server's composition root: its stages, its precision and KV dtype choices.
+    assert "allocate the KV pool: 2 slots x 256 positions" in proc.stderr and "MiB per slot" in proc.stderr
+    assert "compile the step programs" in proc.stderr and "precision w8a8" in proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 

@@ -366,50 +366,6 @@ def test_batched_verify_gives_exactly_the_plain_greedy_tokens_of_every_slot(setu
         spec.verify_rows([(0, [1, 2, 3, 4], 0)])
 
 
-def test_seeded_sampling_is_reproducible_and_independent_of_slot_and_neighbours(setup):
-    from core.generate import GenerationRequest, generate
-    from core.sampling import SamplingParams
-
-    cfg, engine, _ = setup
-    rng = np.random.default_rng(23)
-    target = GenerationRequest(rng.integers(3, cfg.vocab_size, size=11).tolist(), max_tokens=10,
-                               sampling=SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=1234))
-    neighbours = [GenerationRequest(rng.integers(3, cfg.vocab_size, size=int(n)).tolist(), max_tokens=int(m),
-                                    sampling=SamplingParams(temperature=0.7, seed=int(n)))
-                  for n, m in ((5, 3), (19, 12), (7, 6), (3, 9))]
-    alone = generate(engine, [target], frozenset())[0].generated_ids
-    # First in line (slot 0) with neighbours, then last in line (a later, different slot).
-    first = generate(engine, [target, *neighbours], frozenset())[0].generated_ids
-    last = generate(engine, [*neighbours, target], frozenset())[-1].generated_ids
-    assert alone == first == last
-    other_seed = GenerationRequest(target.prompt_ids, max_tokens=10,
-                                   sampling=SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=99))
-    assert generate(engine, [other_seed], frozenset())[0].generated_ids != alone
-
-
-def test_generation_with_every_sampler_variant_compiles_nothing_new(setup):
-    from core.generate import GenerationRequest, generate
-    from core.sampling import SamplingParams
-
-    cfg, engine, _ = setup
-    rng = np.random.default_rng(29)
-    variants = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=1),
-                SamplingParams(temperature=0.8, top_p=0.5, seed=2, frequency_penalty=0.5),
-                SamplingParams(temperature=0, logit_bias=((5, 10.0),), logprobs=3)]
-    requests = [GenerationRequest(rng.integers(3, cfg.vocab_size, size=int(rng.integers(2, 40))).tolist(),
-                                  max_tokens=int(rng.integers(1, 8)), sampling=v) for v in variants * 2]
-    generate(engine, requests[:1], frozenset())  # eager helper ops of the driver itself
-    compiles = []
-    listener = lambda name, *_, **__: compiles.append(name)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        results = generate(engine, requests, frozenset())
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert [len(r.generated_ids) for r in results] == [r.max_tokens for r in requests]
-    assert [c for c in compiles if c == "/jax/core/compile/backend_compile_duration"] == []
-
-
 def test_background_warmup_compiles_the_smallest_bucket_first_and_the_rest_meanwhile(setup):
     cfg, engine, _ = setup
     eng = Engine(cfg, engine.params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS,

@@ -400,3 +400,40 @@ def test_prefill_chunks_end_at_message_boundaries_that_cost_no_padded_call():
     assert seq.next_boundary(0, 4) == 40  # 3 leaves a 3-token piece; 40 has 4+ tokens on each side
     assert seq.next_boundary(40, 4) == 100  # 97 would leave a 3-token tail
     assert seq.next_boundary(38, 4) == 100
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_slot_and_neighbours(engine, tokenizer):
+    target = request(ids(23, 11), max_tokens=10, sampling=SamplingParams(temperature=1.0, top_k=40, top_p=0.9,
+                                                                          seed=1234))
+    neighbours = [request(ids(n, n), max_tokens=m, sampling=SamplingParams(temperature=0.7, seed=n))
+                  for n, m in ((5, 3), (19, 12), (7, 6), (3, 9))]
+
+    def generated(reqs):  # caching off: every request computes its own prompt, wherever it lands
+        return [r[0] for r in run_all(make(engine, tokenizer, prefix_caching=False), reqs)]
+
+    alone = generated([target])[0]
+    assert generated([target, *neighbours])[0] == alone == generated([*neighbours, target])[-1]
+    other_seed = request(target.prompt_ids, max_tokens=10,
+                         sampling=SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=99))
+    assert generated([other_seed])[0] != alone
+
+
+def test_generation_with_every_sampler_variant_compiles_nothing_new(engine, tokenizer):
+    import jax
+
+    rng = np.random.default_rng(29)
+    variants = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=1),
+                SamplingParams(temperature=0.8, top_p=0.5, seed=2, frequency_penalty=0.5),
+                SamplingParams(temperature=0, logit_bias=((5, 10.0),), logprobs=3)]
+    reqs = [request(ids(int(rng.integers(1 << 20)), int(rng.integers(2, 40))), max_tokens=int(rng.integers(1, 8)),
+                    sampling=v, ignore_eos=True) for v in variants * 2]
+    run_all(make(engine, tokenizer), reqs[:1])  # eager helper ops of the scheduler itself
+    compiles = []
+    listener = lambda name, *_, **__: compiles.append(name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        results = run_all(make(engine, tokenizer), reqs)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [len(r[0]) for r in results] == [r.max_tokens for r in reqs]
+    assert [c for c in compiles if c == "/jax/core/compile/backend_compile_duration"] == []
