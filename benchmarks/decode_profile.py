@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype, reason = choose_dtype(args.dtype)
     model = bench.with_precision(bench.build_model(args, dtype), args.precision[0])
     context = min(args.contexts[-1], args.max_len - 1 - args.steps - args.warm_steps - extra["--trace-steps"])
-    buckets = args.decode_buckets if args.decode_buckets is not None else ()
+    buckets = args.attention_buckets if args.attention_buckets is not None else ()
     engine = Engine(model["cfg"], model["params"],
                     EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=(args.chunk_sizes[0],),
-                                 decode_buckets=buckets, verify_width=0, kv_dtype=args.kv_dtype), dtype)
+                                 attention_buckets=buckets, verify_width=0, kv_dtype=args.kv_dtype), dtype)
     s = engine.num_slots
     tokens, active = np.zeros(s, np.int32), np.ones(s, bool)
     position = context

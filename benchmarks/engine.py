@@ -397,7 +397,7 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
                    "param_bytes": param_bytes(params),
                    "param_count": sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))})
     config = EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=args.chunk_sizes,
-                          kv_dtype=kv_dtype, decode_buckets=args.decode_buckets, verify_width=args.verify_width)
+                          kv_dtype=kv_dtype, attention_buckets=args.attention_buckets, verify_width=args.verify_width)
     engine = Engine(cfg, params, config, dtype)
     kv_total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(engine.cache))
     result.update({"bytes_per_slot": engine.bytes_per_slot, "kv_total_bytes": kv_total,
@@ -500,7 +500,7 @@ def metadata(args: argparse.Namespace, compute_dtype: str, dtype_reason: str) ->
         "max_len": args.max_len,
         "chunk_sizes": list(args.chunk_sizes),
         "contexts": args.contexts,
-        "decode_buckets": args.decode_buckets,
+        "attention_buckets": args.attention_buckets,
         "verify_width": args.verify_width,
         "steps": args.steps,
         "warm_steps": args.warm_steps,
@@ -564,7 +564,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-sizes", default="32,128,512", help="prefill chunk sizes (default 32,128,512)")
     p.add_argument("--contexts", default="512,4096",
                    help="decode positions (default 512,4096); clamped below max_len (the cost does not depend on it)")
-    p.add_argument("--decode-buckets", default=None,
+    p.add_argument("--attention-buckets", default=None,
                    help="decode attention buckets below max_len, e.g. 1024 (default: the engine's, powers of two "
                         "from 1024); fewer buckets compile fewer programs")
     p.add_argument("--verify-width", type=int, default=None,
@@ -592,8 +592,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.chunk_sizes = tuple(int(x) for x in args.chunk_sizes.split(","))
     args.contexts = [int(x) for x in args.contexts.split(",")]
-    if args.decode_buckets is not None:
-        args.decode_buckets = tuple(int(x) for x in args.decode_buckets.split(",") if x.strip())
+    if args.attention_buckets is not None:
+        args.attention_buckets = tuple(int(x) for x in args.attention_buckets.split(",") if x.strip())
     args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
     if args.config:
         args.random_weights = True

@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 for model in ${MODELS:-gemma3-270m gemma4-e2b}; do
   # shellcheck disable=SC2086  # EXTRA is a list of arguments
   timeout "${LIMIT_S:-300}" "$py" benchmarks/engine.py --config "configs/models/$model.json" --slots 8 \
-    --max-len 8192 --contexts 512,8191 --decode-buckets 1024 --verify-width 0 \
+    --max-len 8192 --contexts 512,8191 --attention-buckets 1024 --verify-width 0 \
     --out "$out/engine-gpu-$model.json" ${EXTRA:-} 2>&1 | tee "$out/engine-gpu-$model.log"
   echo "$model: exit ${PIPESTATUS[0]}"
 done

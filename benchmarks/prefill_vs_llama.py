@@ -39,7 +39,7 @@ def ours(max_len: int, buckets: str | None, tmp: Path) -> dict[str, float]:
     out = tmp / "engine.json"
     cmd = [sys.executable, "benchmarks/engine.py", *ENGINE_ARGS, "--max-len", str(max_len), "--out", str(out)]
     if buckets:
-        cmd += ["--decode-buckets", buckets]
+        cmd += ["--attention-buckets", buckets]
     report = run_json(cmd, out)
     return {str(e["chunk"]): e["tokens_per_s"] for e in report["runs"][0]["prefill"]}
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 "PP = size, TG 1), ours with attention buckets, ours with one bucket of max_len",
         "commands": {"llama": "benchmarks/llama_prefill.py --bench PATH",
                      "ours": "benchmarks/engine.py " + " ".join(ENGINE_ARGS) + f" --max-len {args.max_len}",
-                     "ours_one_bucket": f"... --decode-buckets {args.max_len}"},
+                     "ours_one_bucket": f"... --attention-buckets {args.max_len}"},
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "runs": [],
     }

@@ -43,7 +43,7 @@ class EngineConfig:
     # smallest bucket that covers every position the call reads (decode, verify and prefill alike; slot ranges
     # also move to the host and between slots in these sizes). None: powers of two from 1024 up to max_len;
     # (): one program over max_len.
-    decode_buckets: tuple[int, ...] | None = None
+    attention_buckets: tuple[int, ...] | None = None
     # Speculative verification width for a lone greedy stream: the last token plus up to width-1 drafted ones,
     # checked in one pass over one slot. None: num_slots (the token rows of one decode step, so a verify
     # costs about one step); 0: no verify program.
@@ -59,23 +59,24 @@ class EngineConfig:
             raise ValueError("num_slots and max_len must be positive")
         if not self.chunk_sizes or sorted(set(self.chunk_sizes)) != list(self.chunk_sizes):
             raise ValueError("chunk_sizes must be a non-empty strictly increasing tuple")
-        if self.decode_buckets and (sorted(set(self.decode_buckets)) != list(self.decode_buckets)
-                                    or self.decode_buckets[0] < 1 or self.decode_buckets[-1] > self.max_len):
-            raise ValueError("decode_buckets must be strictly increasing lengths within max_len")
+        buckets = self.attention_buckets
+        if buckets and (sorted(set(buckets)) != list(buckets) or buckets[0] < 1 or buckets[-1] > self.max_len):
+            raise ValueError("attention_buckets must be strictly increasing lengths within max_len")
 
     @property
     def verify_tokens(self) -> int:
         return self.num_slots if self.verify_width is None else self.verify_width
 
-    def attention_buckets(self) -> tuple[int, ...]:
-        """The decode programs' attention lengths, ending with max_len."""
-        if self.decode_buckets is None:
+    def bucket_lengths(self) -> tuple[int, ...]:
+        """The attention lengths programs are compiled for (prefill, decode, verify, slot copies alike),
+        ending with max_len."""
+        if self.attention_buckets is None:
             sizes, size = [], 1024
             while size < self.max_len:
                 sizes.append(size)
                 size *= 2
         else:
-            sizes = [b for b in self.decode_buckets if b < self.max_len]
+            sizes = [b for b in self.attention_buckets if b < self.max_len]
         return (*sizes, self.max_len)
 
 
@@ -114,7 +115,7 @@ class Engine:
         self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
                                   and all_matmuls_integer(params))
         self.cache = init_cache(cfg, self.spec)
-        self.buckets = config.attention_buckets()
+        self.buckets = config.bucket_lengths()
         # Decode and both verify steps read the sliding layers through one ring-view length, so their rows
         # compute alike bit for bit (core.kv_cache.ring_view_length).
         step = partial(forward, cfg=cfg, ring_width=max(config.verify_tokens, config.rows_verify_width, 1))
@@ -185,7 +186,7 @@ class Engine:
         logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
         kind = key[0]
         if kind == "prefill":
-            return params, cache, i32(1, key[1]), i32(3, 1)
+            return params, cache, i32(1, key[1]), i32(3)
         if kind == "prefill_rows":
             return params, cache, i32(rows, self.row_chunk), i32(2, rows)
         if kind == "decode":
@@ -281,8 +282,7 @@ class Engine:
             raise ValueError(f"slot {slot} out of range")
         if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
-        if start < 0 or start + len(tokens) > self.max_len:
-            raise ValueError(f"positions {start}..{start + len(tokens) - 1} exceed the slot length {self.max_len}")
+        self._check_positions(start, len(tokens))
         logits = None
         offset = 0
         for size in self.plan_chunks(len(tokens)):
@@ -301,7 +301,7 @@ class Engine:
         n = len(tokens)
         padded = np.zeros((1, size), np.int32)
         padded[0, :n] = tokens
-        ints = np.array([[start], [n], [slot]], np.int32)
+        ints = _one_slot(start, n, slot)
         attend = attend or self.bucket_for(np.array([start + n - 1]))
         logits, self.cache = self.programs["prefill", size, attend](self.params, self.cache, padded, ints)
         return logits
@@ -326,8 +326,7 @@ class Engine:
             piece = np.asarray(piece, np.int32)
             if not 1 <= len(piece) <= self.row_chunk or ints[1, slot]:
                 raise ValueError(f"slot {slot}: 1..{self.row_chunk} tokens once per call, got {len(piece)}")
-            if start < 0 or start + len(piece) > self.max_len:
-                raise ValueError(f"positions {start}..{start + len(piece) - 1} exceed the slot length")
+            self._check_positions(start, len(piece))
             tokens[slot, :len(piece)] = piece
             ints[0, slot], ints[1, slot] = start, len(piece)
         listed = ints[1] > 0
@@ -356,14 +355,13 @@ class Engine:
         width = self.config.verify_tokens
         if not 1 <= len(tokens) <= width or width < 2:
             raise ValueError(f"verify takes 1..{width} tokens, got {len(tokens)}")
-        if start < 0 or start + len(tokens) > self.max_len:
-            raise ValueError(f"positions {start}..{start + len(tokens) - 1} exceed the slot length {self.max_len}")
+        self._check_positions(start, len(tokens))
         return self._verify(slot, tokens, start)
 
     def _verify(self, slot: int, tokens: np.ndarray, start: int) -> list[int]:
         padded = np.zeros((1, self.config.verify_tokens), np.int32)
         padded[0, :len(tokens)] = tokens
-        ints = np.array([start, len(tokens), slot], np.int32)
+        ints = _one_slot(start, len(tokens), slot)
         fn = self.programs["verify", self.bucket_for(np.array([start + len(tokens) - 1]))]
         greedy, accepted, self.cache = fn(self.params, self.cache, padded, ints)
         greedy, accepted = jax.device_get((greedy, accepted))
@@ -384,8 +382,7 @@ class Engine:
             piece = np.asarray(piece, np.int32)
             if not 1 <= len(piece) <= width or counts[slot]:
                 raise ValueError(f"slot {slot}: 1..{width} tokens once per call, got {len(piece)}")
-            if start < 0 or start + len(piece) > self.max_len:
-                raise ValueError(f"positions {start}..{start + len(piece) - 1} exceed the slot length {self.max_len}")
+            self._check_positions(start, len(piece))
             tokens[slot, :len(piece)] = piece
             starts[slot], counts[slot] = start, len(piece)
         listed = counts > 0
@@ -411,6 +408,11 @@ class Engine:
         """How many tokens a verify step at `start` may take and still attend over the bucket a decode step
         at `start` uses (so its rows equal decode steps bit for bit)."""
         return min(self.config.verify_tokens, self.bucket_for(np.array([start])) - start)
+
+    def _check_positions(self, start: int, n: int) -> None:
+        """A call writes positions start..start+n-1 of a slot: they must lie within it."""
+        if start < 0 or start + n > self.max_len:
+            raise ValueError(f"positions {start}..{start + n - 1} exceed the slot length {self.max_len}")
 
     def bucket_for(self, positions: np.ndarray) -> int:
         """The smallest attention bucket holding every position (idle slots sit at 0 or below the top)."""
@@ -478,8 +480,14 @@ class Engine:
         self.cache = self.programs["copy", size](self.cache, np.array([src, dst, n], np.int32))
 
 
+def _one_slot(start: int, n: int, slot: int) -> np.ndarray:
+    """The int32 [3] a one-slot step takes: where its chunk starts, how many tokens are real, which slot.
+    (Steps over every slot take [k, num_slots] rows of per-slot values instead.)"""
+    return np.array([start, n, slot], np.int32)
+
+
 def _prefill_step(params, cache, tokens, ints, *, step, attend: int):
-    start, n_valid, slot = ints[0], ints[1], ints[2]
+    start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
     logits, cache = step(params, cache, tokens, start, n_valid, slot, logits_mode="last", attend=attend)
     return logits[0], cache  # [V]: the one row, sliced inside the program (an eager slice compiles a program)
 

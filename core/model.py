@@ -13,6 +13,7 @@ L cache positions read (an attention bucket, or a ring view), V vocab.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -258,9 +259,7 @@ def forward(
     """
     b, t = tokens.shape
     dtype = params["final_norm"].dtype  # the compute dtype
-    positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]
-    ends = starts + t  # one past each row's last (possibly padded) query
-    held = starts + n_valid
+    positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]  # [B, T] absolute positions
     h = embedding_rows(params["embed"], tokens, dtype) * jnp.asarray(cfg.hidden_size**0.5, dtype)
     ple = per_layer_inputs(params, cfg, tokens, h) if cfg.ple_dim else None
 
@@ -269,56 +268,78 @@ def forward(
         key = (layer.kind, layer.head_dim)
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
-
+    chunk = Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
+                  attend=attend, ring_width=ring_width)
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
-        eps = cfg.rms_norm_eps
-        cos, sin = ropes[(layer.kind, layer.head_dim)]
-        x = rms_norm(h, lp["input_layernorm"], eps)
-        q_raw, k_raw, v = project_qkv(x, lp, layer, cfg.num_heads)
-        if layer.owns_cache:
-            # Query and key heads are normed and rotated as one array: the key heads alone are few rows, and
-            # XLA's CPU reduction then rounds differently by row count (decode vs verify chunks would differ).
-            nh, kh, d = q_raw.shape[2], k_raw.shape[2], q_raw.shape[3]
-            scale = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (nh, d)), jnp.broadcast_to(lp["k_norm"], (kh, d))])
-            heads = apply_rope(rms_norm(jnp.concatenate([q_raw, k_raw], axis=2), scale, eps), cos, sin)
-            q, k = heads[:, :, :nh], heads[:, :, nh:]
-            if cfg.has_v_norm:
-                v = rms_norm(v, None, eps)
-            cache = write_chunk(cache, layer.index, k, v, positions, n_valid, slots)
-        else:
-            q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
-        entry = cache[layer_key(layer.kv_source)]
-        ring = ring_view_length(cfg.sliding_window, entry["k"].shape[1], t, ring_width)
-        keys, key_pos = cache_view(entry, slots, ends, sliding=layer.is_sliding, attend=attend, ring=ring)
-        attn = attention(
-            q, keys, key_pos, positions, held,
-            window=cfg.sliding_window if layer.is_sliding else None,
-            scale=cfg.query_scale,
-            softcap=cfg.attn_logit_softcap,
-        )
-        attn = rms_norm(linear(attn, lp["o_proj"]), lp["post_attention_layernorm"], eps)
-        h = h + attn
-
-        x = rms_norm(h, lp["pre_feedforward_layernorm"], eps)
-        if "gate_up_proj" in lp:  # fused (core.weights.fuse_projections)
-            gate, up = jnp.split(linear(x, lp["gate_up_proj"]), 2, axis=-1)
-        else:
-            gate, up = linear(x, lp["gate_proj"]), linear(x, lp["up_proj"])
-        mlp = linear(jax.nn.gelu(gate, approximate=True) * up, lp["down_proj"])
-        h = h + rms_norm(mlp, lp["post_feedforward_layernorm"], eps)
-
-        if ple is not None:
-            gate = jax.nn.gelu(linear(h, lp["per_layer_input_gate"]), approximate=True)
-            extra = linear(gate * ple[:, :, layer.index, :], lp["per_layer_projection"])
-            h = h + rms_norm(extra, lp["post_per_layer_input_norm"], eps)
-        if cfg.has_layer_scalar:
-            h = h * lp["layer_scalar"].astype(dtype)
+        h, cache = decoder_layer(h, cache, lp, layer, cfg, chunk, ropes[(layer.kind, layer.head_dim)],
+                                 None if ple is None else ple[:, :, layer.index, :])
 
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if logits_mode == "last":
         last = jnp.clip(n_valid - 1, 0, t - 1)
         h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     return lm_head(params, cfg, h), cache
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where one call's tokens sit, as every layer reads it: positions [B, T]; ends [B] one past each row's
+    last (possibly padded) query; held [B] positions each row's slot holds once the chunk is written;
+    n_valid [B] real tokens per row; slots [B] or None (row b is slot b); attend and ring_width as in
+    `forward`."""
+
+    positions: jax.Array
+    ends: jax.Array
+    held: jax.Array
+    n_valid: jax.Array
+    slots: jax.Array | None
+    attend: int | None
+    ring_width: int
+
+
+def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig, chunk: Chunk,
+                  rope: tuple[jax.Array, jax.Array], ple: jax.Array | None) -> tuple[jax.Array, KVCache]:
+    """One decoder layer over hidden states h [B, T, H]: writes its K/V (if it owns a cache) before
+    attending over the cache; ple [B, T, P] is this layer's per-layer input (Gemma 4) or None."""
+    eps, t = cfg.rms_norm_eps, h.shape[1]
+    cos, sin = rope
+    x = rms_norm(h, lp["input_layernorm"], eps)
+    q_raw, k_raw, v = project_qkv(x, lp, layer, cfg.num_heads)
+    if layer.owns_cache:
+        # Query and key heads are normed and rotated as one array: the key heads alone are few rows, and
+        # XLA's CPU reduction then rounds differently by row count (decode vs verify chunks would differ).
+        nh, kh, d = q_raw.shape[2], k_raw.shape[2], q_raw.shape[3]
+        scale = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (nh, d)), jnp.broadcast_to(lp["k_norm"], (kh, d))])
+        heads = apply_rope(rms_norm(jnp.concatenate([q_raw, k_raw], axis=2), scale, eps), cos, sin)
+        q, k = heads[:, :, :nh], heads[:, :, nh:]
+        if cfg.has_v_norm:
+            v = rms_norm(v, None, eps)
+        cache = write_chunk(cache, layer.index, k, v, chunk.positions, chunk.n_valid, chunk.slots)
+    else:
+        q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
+    entry = cache[layer_key(layer.kv_source)]
+    ring = ring_view_length(cfg.sliding_window, entry["k"].shape[1], t, chunk.ring_width)
+    keys, key_pos = cache_view(entry, chunk.slots, chunk.ends, sliding=layer.is_sliding, attend=chunk.attend,
+                               ring=ring)
+    attn = attention(q, keys, key_pos, chunk.positions, chunk.held,
+                     window=cfg.sliding_window if layer.is_sliding else None, scale=cfg.query_scale,
+                     softcap=cfg.attn_logit_softcap)
+    h = h + rms_norm(linear(attn, lp["o_proj"]), lp["post_attention_layernorm"], eps)
+
+    x = rms_norm(h, lp["pre_feedforward_layernorm"], eps)
+    if "gate_up_proj" in lp:  # fused (core.weights.fuse_projections)
+        gate, up = jnp.split(linear(x, lp["gate_up_proj"]), 2, axis=-1)
+    else:
+        gate, up = linear(x, lp["gate_proj"]), linear(x, lp["up_proj"])
+    mlp = linear(jax.nn.gelu(gate, approximate=True) * up, lp["down_proj"])
+    h = h + rms_norm(mlp, lp["post_feedforward_layernorm"], eps)
+
+    if ple is not None:
+        gate = jax.nn.gelu(linear(h, lp["per_layer_input_gate"]), approximate=True)
+        h = h + rms_norm(linear(gate * ple, lp["per_layer_projection"]), lp["post_per_layer_input_norm"], eps)
+    if cfg.has_layer_scalar:
+        h = h * lp["layer_scalar"].astype(h.dtype)
+    return h, cache
 
 
 def lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:

@@ -164,7 +164,7 @@ def test_w8a8_with_int8_kv_stays_within_the_quality_gates(real_model, w8a8_param
     prompts, outs = our_greedy
     engine = Engine(real_model.cfg, w8a8_params,
                     EngineConfig(num_slots=len(prompts), max_len=256, chunk_sizes=(16, 64), kv_dtype="int8",
-                                 decode_buckets=(), verify_width=0), "float32")
+                                 attention_buckets=(), verify_width=0), "float32")
     assert engine.spec.dtype == "int8"
     agree = sum(int(np.argmax(np.asarray(engine.prefill(s, p, 0))) == out[0])
                 for s, (p, out) in enumerate(zip(prompts, outs, strict=True)))
