@@ -61,7 +61,8 @@ class RuntimeOptions:
     max_len: int = 8192
     chunk_sizes: tuple[int, ...] = (32, 128, 512)
     compile_cache: str | None = None  # directory; None: the default cache dir; "off": disabled
-    # Ready once the programs over the largest attention bucket are compiled; the rest compile on a thread.
+    # Ready once the samplers and the smallest attention bucket's prefill, decode and slot-copy programs are
+    # compiled; the rest compile on a thread (core.engine.Engine.warmup).
     background_compile: bool = True
     prefill_budget: int | None = None
     max_waiting: int = 256

@@ -245,17 +245,25 @@ def test_threaded_loop_serves_sync_and_asyncio_callers(engine, tokenizer):
 
 
 def test_speedups_wait_until_their_programs_are_compiled(engine, tokenizer):
-    """While a background warm-up has not compiled the verify programs, a greedy stream decodes plainly
-    (same tokens) instead of waiting for them; once they are compiled it speculates."""
+    """While a background warm-up has not compiled the verify or batched-prefill programs, a greedy stream
+    decodes plainly (same tokens) and short prompts prefill one by one instead of waiting for them; once
+    they are compiled both speedups run."""
     fresh = Engine(engine.cfg, engine.params, engine.config, "float32")  # nothing compiled ahead
     prompt = ids(40, 12) * 4
     sched = make(fresh, tokenizer)
     early = run_all(sched, [request(prompt, max_tokens=12)])[0]
     assert sched.stats.speculative_steps == 0 and not fresh.compiled_for("verify", [0])
+    shorts = [request(ids(60 + i, 10), max_tokens=2) for i in range(fresh.num_slots)]  # batched-prefill sized
+    sched = make(fresh, tokenizer)
+    run_all(sched, shorts)
+    assert sched.stats.batched_prefills == 0 and not fresh.compiled_for("prefill_rows", [0])
     fresh.warmup()
     sched = make(fresh, tokenizer)
     late = run_all(sched, [request(prompt, max_tokens=12)])[0]
     assert sched.stats.speculative_steps > 0 and late[0] == early[0]
+    sched = make(fresh, tokenizer)
+    run_all(sched, shorts)
+    assert sched.stats.batched_prefills > 0
 
 
 def test_lone_greedy_stream_speculates_and_yields_exactly_the_plain_tokens(engine, tokenizer):
