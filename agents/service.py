@@ -16,8 +16,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.chat_template import ChatTemplate, PromptTooLongError, RenderedPrompt
 from agents.messages import normalize_messages
@@ -27,6 +28,9 @@ from core.sampling import SamplingParams
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
 from scheduler.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
+
+if TYPE_CHECKING:
+    from scheduler.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -148,22 +152,17 @@ def assemble_runtime(
     load_seconds: float = 0.0,
     weights_from_cache: bool = False,
     progress: Progress | None = None,
+    compiler: GrammarCompiler | None = None,
 ) -> Runtime:
-    """Grammar compiler + scheduler + chat template around an already warm engine."""
-    from scheduler.grammar import GrammarCompiler
+    """Grammar compiler (built here unless given) + scheduler + chat template around an already warm
+    engine."""
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
     options = options or RuntimeOptions()
-    if progress:
-        progress("build the grammar tokenizer bridge")
-    compiler = GrammarCompiler(
-        tokenizer,
-        options.grammar_backend,
-        compile_timeout_s=options.grammar_compile_timeout_s,
-        max_schema_bytes=options.max_schema_bytes,
-        vocab_size=engine.cfg.vocab_size,
-    )
-    compiler.warm_up()
+    if compiler is None:
+        if progress:
+            progress("build the grammar tokenizer bridge")
+        compiler = grammar_compiler(tokenizer, options, engine.cfg.vocab_size)
     scheduler = Scheduler(
         engine,
         tokenizer,
@@ -185,9 +184,20 @@ def assemble_runtime(
     )
 
 
+def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int) -> GrammarCompiler:
+    """The grammar compiler with its tokenizer bridge built (the slow part: a pass over the vocabulary)."""
+    from scheduler.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, options.grammar_backend, compile_timeout_s=options.grammar_compile_timeout_s,
+                               max_schema_bytes=options.max_schema_bytes, vocab_size=vocab_size)
+    compiler.warm_up()
+    return compiler
+
+
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
     """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
-    from core.device import choose_kv_dtype, default_cache_dir, enable_compile_cache
+    from core.compile_cache import enable_compile_cache
+    from core.device import choose_kv_dtype, default_cache_dir
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 
@@ -213,10 +223,16 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
             f"{engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
             f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
             f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})"))
-    engine.warmup((lambda name, done, total: progress("compile the step programs", done, total,
-                                                      f"{total} programs" if done == total else name))
-                  if progress else None, background=options.background_compile)
-    return assemble_runtime(engine, model.tokenizer, options, model_name=str(options.model),
+    # The grammar tokenizer bridge is built on a thread while the programs compile.
+    with ThreadPoolExecutor(1, thread_name_prefix="slotserve-grammar") as pool:
+        compiler_future = pool.submit(grammar_compiler, model.tokenizer, options, model.cfg.vocab_size)
+        engine.warmup((lambda name, done, total: progress("compile the step programs", done, total,
+                                                          f"{total} programs" if done == total else name))
+                      if progress else None, background=options.background_compile)
+        if progress and not compiler_future.done():
+            progress("build the grammar tokenizer bridge")
+        compiler = compiler_future.result()
+    return assemble_runtime(engine, model.tokenizer, options, compiler=compiler, model_name=str(options.model),
                             dtype_reason=model.dtype_reason, precision=model.precision,
                             precision_reason=model.precision_reason, kv_dtype_reason=kv_reason,
                             load_seconds=model.load_seconds, weights_from_cache=model.weights_from_cache,

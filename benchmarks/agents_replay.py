@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jaxlib
 
-    from core.device import enable_compile_cache
+    from core.compile_cache import enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 

@@ -609,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_environment(args.platform)
     import jax
 
-    from core.device import choose_dtype, enable_compile_cache
+    from core.compile_cache import enable_compile_cache
+    from core.device import choose_dtype
 
     if args.compile_cache:
         enable_compile_cache()

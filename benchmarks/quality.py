@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from core.device import enable_compile_cache
+    from core.compile_cache import enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.quality import REFERENCE_TEXT, perplexity, reference_tokens, score
     from core.runtime import load_model

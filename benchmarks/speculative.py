@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from agents.chat_template import ChatTemplate
-    from core.device import choose_kv_dtype, enable_compile_cache
+    from core.compile_cache import enable_compile_cache
+    from core.device import choose_kv_dtype
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 

@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--background", choices=("on", "off"), default="on",
-                        help="model.background_compile: ready after the smallest bucket's programs (on)")
+                        help="model.background_compile: ready once a short request's programs are compiled (on)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "startup-cpu.json")
     args = parser.parse_args()
     background = args.background == "on"

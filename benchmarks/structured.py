@@ -836,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_environment(args.platform)
     import jax
 
-    from core.device import enable_compile_cache
+    from core.compile_cache import enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 

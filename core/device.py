@@ -1,4 +1,4 @@
-"""Device setup: XLA environment (before JAX is imported), compute dtype policy, compile cache.
+"""Device setup: XLA environment (before JAX is imported), compute dtype policy, cache directory.
 
 `configure_environment()` must run before the first `import jax` anywhere in the process: XLA reads
 its flags once. The CLI calls it first thing; library users may call it themselves.
@@ -42,18 +42,6 @@ def configure_environment(platform: str | None = None) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if autotune is not None and "xla_gpu_autotune_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level={autotune}".strip()
-
-
-def enable_compile_cache(directory: Path | None = None) -> Path:
-    """Persist compiled programs so that a restart does not pay the compile again."""
-    import jax
-
-    path = Path(directory) if directory else default_cache_dir() / "xla"
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
 
 
 def choose_dtype(override: str | None = None) -> tuple[str, str]:

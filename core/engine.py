@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 # Programs that only speed up what other programs also do (a verify step is a few decode steps, a batched
 # prefill several single ones): a background warm-up compiles them after reporting ready.
 OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows")
+# Programs compiled at once during warm-up: tracing holds the GIL while XLA's compiler and the compilation
+# cache's loading do not, so two threads overlap one program's tracing with another's compile or load.
+COMPILE_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -208,24 +212,36 @@ class Engine:
         return jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.float32), sampler, i32(), i32(), mask
 
     def _first_needed(self, key: ProgramKey) -> bool:
-        """Whether a background warm-up compiles this program before reporting ready: every sampler, and
-        the smallest bucket's prefill, decode and slot copies (short contexts, the first requests). The
-        speedups (speculative verification, batched prefill) wait: the scheduler uses them once compiled."""
-        return key[0] in ("sample", "sample_row") or (key[-1] == self.buckets[0] and key[0] not in OPTIONAL_KINDS)
+        """Whether a background warm-up compiles this program before reporting ready: what a short first
+        request runs (every sampler, the smallest prefill chunk and the decode step over the smallest
+        bucket). The rest follow on the background thread, the smallest bucket first; a request needing
+        one of them waits for it, and the speedups (speculative verification, batched prefill) are left
+        out until theirs are compiled."""
+        first = self.buckets[0]
+        return (key[0] in ("sample", "sample_row") or key == ("decode", first)
+                or key == ("prefill", self.config.chunk_sizes[0], first))
+
+    def _background_order(self, key: ProgramKey) -> tuple[int, bool]:
+        """Smallest bucket first; within a bucket what every request may need before the speedups."""
+        return key[-1], key[0] in OPTIONAL_KINDS
 
     def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False) -> float:
-        """Compile every program (never running one: nothing is written). ``background``: compile the
-        programs of the smallest bucket now and the rest, smallest bucket first, on a daemon thread
-        (`background_warmup`); a call that needs one of those before it is ready waits for it. Returns
-        the seconds spent here."""
+        """Compile every program (never running one: nothing is written), `COMPILE_THREADS` at a time.
+        ``background``: compile the programs the first requests need now and the rest, smallest bucket
+        first, on a daemon thread (`background_warmup`); a call that needs one of those before it is
+        ready waits for it. Returns the seconds spent here."""
         begin = time.perf_counter()
         keys = list(self.programs)
         now = [k for k in keys if self._first_needed(k)] if background else keys
-        later = sorted((k for k in keys if k not in now), key=lambda k: k[-1])
-        for i, key in enumerate(now):
-            if progress:
-                progress(self.programs[key].name, i, len(now))
-            self._compile(key)
+        later = sorted((k for k in keys if k not in now), key=self._background_order)
+        if progress and now:
+            progress(self.programs[now[0]].name, 0, len(now))
+        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="slotserve-compile") as pool:
+            pending = [pool.submit(self._compile, key) for key in now]
+            for done, future in enumerate(as_completed(pending)):
+                name = future.result()
+                if progress:
+                    progress(name, done + 1, len(now))
         if progress:
             progress("ready", len(now), len(now))
         self.compile_seconds = time.perf_counter() - begin
@@ -235,10 +251,11 @@ class Engine:
             self.background_warmup.start()
         return self.compile_seconds
 
-    def _compile(self, key: ProgramKey) -> None:
+    def _compile(self, key: ProgramKey) -> str:
         program = self.programs[key]
         program.compile(*self._example_args(key))
         self.warmup_seconds[program.name] = program.compile_seconds or 0.0
+        return program.name
 
     def _compile_later(self, keys: list[ProgramKey]) -> None:
         begin = time.perf_counter()

@@ -2,7 +2,8 @@
 
 A `Program` is compiled from abstract arguments (shapes and dtypes, `abstract`), so warm-up never runs a
 step and may compile on another thread while the engine serves: nothing it touches is a live buffer. The
-XLA compilation cache, when enabled, serves a program compiled by an earlier process. A call to a program
+XLA compilation cache, when enabled, serves a program compiled by an earlier process. Programs may compile on
+several threads at once (their lowering is serialized, their compilation is not). A call to a program
 not compiled yet compiles it first, or waits for the thread compiling it: a call never switches to another
 program (a larger attention bucket is not bit-identical on every backend).
 """
@@ -20,6 +21,11 @@ import jax
 ProgramKey = tuple[Hashable, ...]  # (kind, then the sizes that fix its shapes), e.g. ("decode", 1024)
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _hits: collections.Counter[int] = collections.Counter()  # thread id -> XLA cache hits, to tell what was loaded
+# One program is traced and lowered at a time, in any thread. JAX's tracing caches are shared between
+# threads, and two threads lowering at once were seen to produce different (equivalent) modules run to
+# run: different compilation-cache keys, so a restart missed the cache. Compiling (or loading a compiled
+# program from the cache) runs outside the lock, overlapping the next program's lowering.
+_lowering = threading.Lock()
 
 
 def _count_hit(event: str, **_: Any) -> None:
@@ -56,7 +62,9 @@ class Program:
             if self._compiled is not None:
                 return 0.0
             begin, hits = time.perf_counter(), _hits[threading.get_ident()]
-            compiled = self._fn.lower(*args).compile()
+            with _lowering:
+                lowered = self._fn.lower(*args)
+            compiled = lowered.compile()
             self.from_cache = _hits[threading.get_ident()] > hits  # set before `ready` turns true
             self._compiled = compiled
             self.compile_seconds = round(time.perf_counter() - begin, 3)

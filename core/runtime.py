@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from core import weight_cache
 from core.config import ModelConfig
 from core.device import choose_dtype, choose_precision
 from core.loaders import open_checkpoint
+from core.loaders.base import CheckpointSource
 from core.tokenizer import Tokenizer
 from core.weights import WeightPolicy, fuse_projections, load_params, param_bytes
 
@@ -58,6 +60,22 @@ def load_model(
     precision, precision_reason = choose_precision(precision)
     log.info("weight precision %s (%s)", precision, precision_reason)
     policy = WeightPolicy(dtype=chosen, precision=precision)
+    # The tokenizer loads on a thread meanwhile: both mostly wait on files and native code.
+    with ThreadPoolExecutor(1, thread_name_prefix="slotserve-tokenizer") as pool:
+        tokenizer_future = pool.submit(Tokenizer.from_pretrained, source.path)
+        params, cached = _prepared_params(source, cfg, policy, progress, weights_cache)
+        tokenizer = tokenizer_future.result()
+    return LoadedModel(
+        name=str(model), path=source.path, cfg=cfg, params=params, tokenizer=tokenizer,
+        dtype=chosen, dtype_reason=reason, load_seconds=time.perf_counter() - begin,
+        precision=precision, precision_reason=precision_reason, weights_from_cache=cached,
+    )
+
+
+def _prepared_params(source: CheckpointSource, cfg: ModelConfig, policy: WeightPolicy,
+                     progress: Callable[[int, int], None] | None,
+                     weights_cache: Path | None) -> tuple[dict[str, Any], bool]:
+    """The parameters on the device, and whether they came from the weights cache."""
     params, cached = None, False
     if weights_cache is not None:
         key = weight_cache.cache_key(weight_cache.checkpoint_identity(Path(source.path)), asdict(policy))
@@ -67,9 +85,4 @@ def load_model(
         params = fuse_projections(load_params(source, cfg, policy, progress))
         if weights_cache is not None:
             weight_cache.save(weights_cache, key, params)
-    tokenizer = Tokenizer.from_pretrained(source.path)
-    return LoadedModel(
-        name=str(model), path=source.path, cfg=cfg, params=params, tokenizer=tokenizer,
-        dtype=chosen, dtype_reason=reason, load_seconds=time.perf_counter() - begin,
-        precision=precision, precision_reason=precision_reason, weights_from_cache=cached,
-    )
+    return params, cached

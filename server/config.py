@@ -28,7 +28,7 @@ class ModelSection(_Section):
     max_len: int = Field(8192, ge=16)
     chunk_sizes: list[int] = Field(default_factory=lambda: [32, 128, 512], min_length=1)
     compile_cache: str | None = None  # directory; None: ~/.cache/slotserve/xla; "off": disabled
-    background_compile: bool = True  # ready after the largest-bucket programs; the rest compile meanwhile
+    background_compile: bool = True  # ready once a short request's programs are compiled; the rest meanwhile
 
     @field_validator("chunk_sizes")
     @classmethod

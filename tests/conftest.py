@@ -20,7 +20,7 @@ configure_environment()
 
 @pytest.fixture(scope="session")
 def compile_cache():
-    from core.device import enable_compile_cache
+    from core.compile_cache import enable_compile_cache
 
     return enable_compile_cache()
 

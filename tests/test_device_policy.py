@@ -56,23 +56,53 @@ def test_autotune_level_can_be_set_but_never_overrides_the_users_xla_flags():
     assert flags == "--xla_gpu_autotune_level=2"
 
 
-def test_persistent_compile_cache_serves_a_restarted_process(tmp_path):
-    code = (
+RESTARTED_PROCESS = (
         "import sys\n"
-        "from core.device import configure_environment, enable_compile_cache\n"
+        "from core.device import configure_environment\n"
+        "from core.compile_cache import enable_compile_cache\n"
         "configure_environment()\n"
         "import jax, jax.numpy as jnp\n"
         "hits = []\n"
         "jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))\n"
         "enable_compile_cache(sys.argv[1])\n"
-        "jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((16, 16))).block_until_ready()\n"
+        "print(jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((16, 16))).sum().item())\n"
         "print(sum(h == '/jax/compilation_cache/cache_hits' for h in hits))\n"
-    )
-    runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
-            for _ in range(2)]
-    assert any(tmp_path.iterdir())
-    assert int(runs[0].stdout.strip()) == 0
-    assert int(runs[1].stdout.strip()) >= 1
+)
+
+
+def start_process(cache) -> tuple[str, int]:
+    """A new process computing one jitted program: its output, and how many programs came from the cache."""
+    run = subprocess.run([sys.executable, "-c", RESTARTED_PROCESS, str(cache)], capture_output=True, text=True,
+                         check=True)
+    output, hits = run.stdout.split()
+    return output, int(hits)
+
+
+def test_a_damaged_compile_cache_entry_is_deleted_and_compiled_again(tmp_path):
+    from core.compile_cache import ENTRY_SUFFIX, MANIFEST
+
+    cold, hits = start_process(tmp_path)
+    assert hits == 0
+    entries = sorted(tmp_path.glob(f"*{ENTRY_SUFFIX}"))
+    assert entries
+    # A crash mid-write: truncated before any start recorded it. Not used; compiled and stored again.
+    for entry in entries:
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    assert start_process(tmp_path) == (cold, 0)
+    assert start_process(tmp_path) == (cold, len(entries))  # the rebuilt entries serve the next start
+    assert json.loads((tmp_path / MANIFEST).read_text()).keys() == {e.name for e in entries}
+    # One byte flipped in an entry the manifest knows: its checksum differs, so it is replaced too.
+    damaged = bytearray(entries[0].read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    entries[0].write_bytes(bytes(damaged))
+    assert start_process(tmp_path) == (cold, len(entries) - 1)
+    assert start_process(tmp_path) == (cold, len(entries))
+
+
+def test_persistent_compile_cache_serves_a_restarted_process(tmp_path):
+    first, second = start_process(tmp_path), start_process(tmp_path)
+    assert first[1] == 0 and second[1] >= 1
+    assert first[0] == second[0]
 
 
 def test_precision_defaults_to_w8a8_on_cpu_and_can_be_overridden(monkeypatch):

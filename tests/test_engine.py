@@ -366,16 +366,14 @@ def test_batched_verify_gives_exactly_the_plain_greedy_tokens_of_every_slot(setu
         spec.verify_rows([(0, [1, 2, 3, 4], 0)])
 
 
-def test_background_warmup_compiles_the_smallest_bucket_first_and_the_rest_meanwhile(compile_cache):
-    from core.engine import OPTIONAL_KINDS
-
+def test_background_warmup_compiles_what_a_short_request_needs_first_and_the_rest_meanwhile(compile_cache):
     cfg = model_config("gemma3")  # the warm-up does not depend on the family
     params = random_params(cfg, std=0.1, norm_std=0.1, seed=3)
     config = EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=(4, 16), attention_buckets=(16, 32, 64),
                           verify_width=VERIFY)
     eng = Engine(cfg, params, config, "float32")
     eng.warmup(background=True)
-    first = [k for k in eng.programs if k[0].startswith("sample") or (k[-1] == 16 and k[0] not in OPTIONAL_KINDS)]
+    first = [k for k in eng.programs if k[0].startswith("sample") or k in {("prefill", 4, 16), ("decode", 16)}]
     assert all(eng.programs[k].ready for k in first) and len(first) < len(eng.programs)
     prompt = np.random.default_rng(8).integers(3, cfg.vocab_size, size=40)  # needs the 64 bucket: may wait
     during = greedy(eng, 0, prompt, 6)

