@@ -19,7 +19,7 @@ from typing import Any
 
 from agents.messages import TemplateError, message_text, normalize_messages
 from core.tokenizer import Tokenizer
-from scheduler.tool_calls import TOOL_CALL_MARKER
+from scheduler.tool_protocol import TOOL_CALL_MARKER
 
 __all__ = ["render_gemma", "tools_instructions"]
 

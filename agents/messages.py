@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from scheduler.tool_calls import TOOL_CALL_MARKER
+from scheduler.tool_protocol import TOOL_CALL_MARKER
 
 __all__ = [
     "ROLES",

@@ -24,10 +24,10 @@ from agents.chat_template import ChatTemplate, PromptTooLongError, RenderedPromp
 from agents.messages import normalize_messages
 from agents.spec import AgentSpec
 from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
+from agents.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
 from core.sampling import SamplingParams
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
-from scheduler.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
 
 if TYPE_CHECKING:
     from scheduler.grammar import GrammarCompiler

@@ -58,10 +58,6 @@ class GrammarMatcher(ABC):
     def error(self) -> str | None:
         """Why the matcher stopped on a bad token or a backend limit; None while healthy."""
 
-    @abstractmethod
-    def rollback(self, num_tokens: int) -> bool:
-        """Undo the last ``num_tokens`` consumed tokens (e.g. after a stop string); False if impossible."""
-
 
 class Backend(ABC):
     name: str

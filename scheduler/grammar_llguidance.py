@@ -23,7 +23,7 @@ from scheduler.grammar_spec import (
     not_containing_regex,
     regex_literal,
 )
-from scheduler.tool_calls import TOOL_CALL_MARKER
+from scheduler.tool_protocol import TOOL_CALL_MARKER, call_head
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher", "fill_llguidance_masks", "llguidance_tokenizer"]
 
@@ -58,9 +58,6 @@ class LLGuidanceMatcher(GrammarMatcher):
     @property
     def error(self) -> str | None:
         return self._m.get_error() or None
-
-    def rollback(self, num_tokens: int) -> bool:
-        return self._m.rollback(num_tokens)
 
 
 _bridge_lock = threading.Lock()
@@ -147,7 +144,7 @@ def _tools_lark(spec: ConstraintSpec) -> str:
         params = fn["parameters"]
         if isinstance(params, dict) and "type" not in params:
             params = {**params, "type": "object"}  # arguments are always an object
-        prefix = json.dumps(canonical_json({"name": fn["name"]})[:-1] + ',"arguments":')
+        prefix = json.dumps(call_head(fn["name"]))
         try:
             args = canonical_json(_llg_json(params))
         except UnsupportedConstraintError as e:

@@ -22,7 +22,7 @@ from scheduler.grammar_spec import (
     not_containing_regex,
     regex_literal,
 )
-from scheduler.tool_calls import TOOL_CALL_MARKER
+from scheduler.tool_protocol import TOOL_CALL_MARKER, call_head
 
 __all__ = ["OutlinesCoreBackend", "OutlinesMatcher", "check_outlines_schema", "outlines_regex", "outlines_vocabulary"]
 
@@ -79,18 +79,6 @@ class OutlinesMatcher(GrammarMatcher):
     @property
     def error(self) -> str | None:
         return self._error
-
-    def rollback(self, num_tokens: int) -> bool:
-        if self._error is not None or num_tokens < 0:
-            return False
-        if num_tokens and self._stopped:
-            self._stopped, num_tokens = False, num_tokens - 1
-        if num_tokens:
-            try:
-                self._guide.rollback_state(num_tokens)
-            except Exception:
-                return False
-        return True
 
     def fill_row(self, row: np.ndarray) -> None:
         """Write this matcher's mask into one contiguous uint32 row."""
@@ -221,7 +209,7 @@ def outlines_regex(spec: ConstraintSpec) -> str:
             args = _oc_schema_regex(params)
         except UnsupportedConstraintError as e:
             raise UnsupportedConstraintError(e.feature, f"parameters of {fn['name']!r}: {e.detail}") from None
-        calls.append(regex_literal(canonical_json({"name": fn["name"]})[:-1] + ',"arguments":') + args + r"\x7D")
+        calls.append(regex_literal(call_head(fn["name"])) + args + r"\x7D")
     one = "(?:" + "|".join(calls) + ")"
     more = MAX_PARALLEL_CALLS - 1 if spec.parallel else 0
     call = f"{one}(?:{regex_literal(TOOL_CALL_MARKER)}{one}){{0,{more}}}" if more else one

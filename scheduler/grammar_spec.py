@@ -1,6 +1,6 @@
 """What a request asks its output to match: `ConstraintSpec` and its errors.
 
-A tools spec describes the call format of `scheduler.tool_calls`: one call per turn, its arguments valid
+A tools spec describes the call format of `scheduler.tool_protocol`: one call per turn, its arguments valid
 under the function's ``parameters``; with ``tool_choice="auto"`` the model may answer instead, in free text
 or, when the request also sets an answer format (``response_format``), in a document of that schema.
 ``tool_choice="none"`` (or no tools with "auto") is no tools constraint: `ConstraintSpec.tools` returns None.

@@ -1,4 +1,4 @@
-"""A request's state inside the scheduler, from waiting to finished."""
+"""A request's state inside the scheduler, from queued to finished."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from scheduler.stop_strings import StopMatcher
 
 
 class SeqState(Enum):
-    WAITING = "waiting"
+    """Where an admitted sequence stands; a queued one has no state yet (`Sequence.state` is None)."""
+
     PREFILLING = "prefilling"
     DECODING = "decoding"
     FINISHED = "finished"
@@ -28,7 +29,7 @@ class Sequence:
     stop_matcher: StopMatcher | None
     max_tokens: int  # the request's max_tokens, capped by the slot length
     seed: int
-    state: SeqState = SeqState.WAITING
+    state: SeqState | None = None  # None while queued (no slot); `KVCacheManager.place` sets PREFILLING
     slot: int | None = None
     cursor: int = 0  # next prompt position to prefill
     cached_tokens: int = 0

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agents.messages import invalid_text_path
 from agents.service import ChatParams, Outcome
 from agents.spec import AgentSpec
+from agents.tool_calls import CallPiece
 from scheduler.request import FinishEvent
-from scheduler.tool_calls import CallPiece
 from server.anthropic_schemas import CountTokensRequest, Message, MessagesRequest, ToolChoice
 from server.errors import APIError
 from server.openai_api import session_header, session_id_of

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agents.service import ChatParams, Generation, Outcome
 from agents.spec import AgentSpec
+from agents.tool_calls import CallPiece
 from scheduler.request import FinishEvent, TokenEvent
-from scheduler.tool_calls import CallPiece
 from server.errors import APIError
 from server.schemas import ChatCompletionRequest, CompletionRequest, request_problem
 from server.state import AgentName, ServerState, agent_for, agent_named_by_model, state_of

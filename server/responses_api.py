@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agents.service import ChatParams, Outcome, SessionCaller
 from agents.spec import AgentSpec
 from agents.store import Session
+from agents.tool_calls import CallPiece
 from scheduler.request import FinishEvent
-from scheduler.tool_calls import CallPiece
 from server.errors import APIError
 from server.openai_api import session_header, session_id_of
 from server.responses_schemas import (

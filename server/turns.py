@@ -2,7 +2,7 @@
 (`openai_api`, `anthropic_api`, `responses_api`) only translate requests in and these events out.
 
 `Turn.events` yields, in order: one `Step` per generated token (its text split into answer text and
-tool-call pieces, see `scheduler.tool_calls.ToolCallStream`), then `Finished` (the parsed outcome; the
+tool-call pieces, see `agents.tool_calls.ToolCallStream`), then `Finished` (the parsed outcome; the
 session commit has started), then either `Committed` or `Failed`. A turn whose generation finished is
 committed whether or not its client is still there; a turn cut short frees its slot and its session.
 """
@@ -22,9 +22,9 @@ from fastapi import Request
 from agents.service import ChatParams, ChatService, Generation, Outcome
 from agents.spec import AgentSpec
 from agents.store import AgentGoneError, Session, SessionLimitError, StoreUnavailableError
+from agents.tool_calls import CallPiece
 from scheduler.grammar_spec import GrammarBusyError
 from scheduler.request import FinishEvent, FinishReason, QueueFullError, TokenEvent
-from scheduler.tool_calls import CallPiece
 from server import idempotency
 from server.errors import APIError
 from server.state import ServerState

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 
+from agents.tool_calls import parse_tool_calls
 from scheduler.grammar import (
     CompiledGrammar,
     ConstraintSpec,
@@ -23,7 +24,7 @@ from scheduler.grammar import (
     fill_masks,
     llguidance_tokenizer,
 )
-from scheduler.tool_calls import TOOL_CALL_MARKER, parse_tool_calls
+from scheduler.tool_protocol import TOOL_CALL_MARKER
 
 WEATHER = {
     "type": "function",

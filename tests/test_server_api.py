@@ -21,7 +21,7 @@ from agents.service import ChatParams, ChatService
 from agents.spec import AgentSpec
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import FinishReason
-from scheduler.tool_calls import TOOL_CALL_MARKER
+from scheduler.tool_protocol import TOOL_CALL_MARKER
 from server.app import create_app
 
 WEATHER_PARAMS = {

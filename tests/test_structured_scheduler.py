@@ -9,6 +9,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from agents.tool_calls import parse_tool_calls
 from core.engine import Engine, EngineConfig
 from core.sampling import SamplingParams
 from core.tokenizer import Tokenizer
@@ -16,7 +17,6 @@ from core.weights import random_params
 from scheduler.grammar import ConstraintSpec, GrammarCompiler
 from scheduler.request import FinishReason, GenerationRequest
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.tool_calls import parse_tool_calls
 from tiny_models import GEMMA3
 
 VOCAB = 262_144

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from agents.tool_calls import CallPiece, ToolCallStream, parse_partial_calls, parse_tool_calls
 from scheduler.grammar_spec import ConstraintSpec
-from scheduler.tool_calls import TOOL_CALL_MARKER, CallPiece, ToolCallStream, parse_partial_calls, parse_tool_calls
+from scheduler.tool_protocol import TOOL_CALL_MARKER
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

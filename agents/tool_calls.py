@@ -1,29 +1,22 @@
-"""The tool-call wire format the model writes, and reading it back, whole or as it streams.
+"""Reading tool calls back from generated text, whole or as it streams.
 
-Gemma 3 has no tool tokens, so the format is ours (the grammar of `ConstraintSpec.tools` enforces it):
-
-* ``tool_choice="required"`` or a named function: the whole output is one compact JSON object
-  ``{"name":"<declared name>","arguments":{...}}``.
-* ``tool_choice="auto"``: free text that does not contain `TOOL_CALL_MARKER`, then optionally the marker
-  and calls (the model may call after some text, as it would in a chat); or, when the request sets an
-  answer schema, either a document of that schema or the marker and calls.
-* parallel calls: each call after the first is preceded by the marker.
-
+The wire format is `scheduler.tool_protocol`'s (the grammar of `ConstraintSpec.tools` enforces it).
 `ToolCallStream` splits generated text into answer text and call pieces as it arrives, so every API can
-stream a call's arguments while they are generated; `parse_tool_calls` reads a finished output.
+stream a call's arguments while they are generated; `parse_tool_calls` reads a finished output,
+`parse_partial_calls` one cut short.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_MARKER = "<tool_call>"
-# The fixed head of a call object, as the grammar writes it (compact JSON, "name" first).
-_CALL_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
+from scheduler.tool_protocol import CALL_HEAD, TOOL_CALL_MARKER
+
+__all__ = ["CallPiece", "ToolCallStream", "begins_call", "new_call_id", "parse_partial_calls", "parse_tool_calls",
+           "split_answer"]
 
 
 def new_call_id() -> str:
@@ -89,7 +82,7 @@ class ToolCallStream:
                 return [text]
             return []
         if self.state == "head":
-            head = _CALL_HEAD.match(self.buffer)
+            head = CALL_HEAD.match(self.buffer)
             if head is None:
                 return []
             call = CallPiece(len(self.calls), new_call_id(), json.loads(head.group(1)), first=True)
@@ -172,7 +165,7 @@ def parse_tool_calls(text: str, spec: Any) -> list[dict[str, Any]] | None:
             raise ValueError(f"incomplete or malformed tool call {len(calls)}: {e}") from None
         if not (isinstance(call, dict) and call.keys() == {"name", "arguments"} and call["name"] in names):
             raise ValueError(f"output {len(calls)} is not a call of a declared function")
-        head = _CALL_HEAD.match(text, at)
+        head = CALL_HEAD.match(text, at)
         if head is not None and text[end - 1] == "}":
             arguments = text[head.end():end - 1]
         else:  # not the grammar's own layout (hand-written text): normalise
