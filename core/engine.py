@@ -23,7 +23,7 @@ import numpy as np
 
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
-from core.model import forward
+from core.model import decode_step, prefill_chunk, verify_chunk
 from core.programs import Program, ProgramKey, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
 from core.weights import all_matmuls_integer
@@ -122,9 +122,9 @@ class Engine:
         self.buckets = config.bucket_lengths()
         # Decode and both verify steps read the sliding layers through one ring-view length, so their rows
         # compute alike bit for bit (core.kv_cache.ring_view_length).
-        step = partial(forward, cfg=cfg, ring_width=max(config.verify_tokens, config.rows_verify_width, 1))
+        model = {"cfg": cfg, "ring_width": max(config.verify_tokens, config.rows_verify_width, 1)}
         self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size)
-        self.programs: dict[ProgramKey, Program] = self._build_programs(step)
+        self.programs: dict[ProgramKey, Program] = self._build_programs(model)
         self.background_warmup: threading.Thread | None = None
         self.compile_seconds = 0.0
         self.warmup_seconds: dict[str, float] = {}  # per program, filled by `warmup` (and its thread)
@@ -143,8 +143,9 @@ class Engine:
         return cache_bytes_per_slot(self.cfg, self.spec)
 
     # ---- programs --------------------------------------------------------------------------
-    def _build_programs(self, step: Callable[..., Any]) -> dict[ProgramKey, Program]:
-        """Every compiled step, keyed by kind and the sizes that fix its shapes."""
+    def _build_programs(self, model: dict[str, Any]) -> dict[ProgramKey, Program]:
+        """Every compiled step, keyed by kind and the sizes that fix its shapes; `model` holds the cfg and
+        ring_width every model step is called with."""
         def jit(fn: Callable[..., Any], donate: int | None = 1, **static: Any) -> Callable[..., Any]:
             return jax.jit(partial(fn, **static), donate_argnums=() if donate is None else (donate,))
 
@@ -155,16 +156,16 @@ class Engine:
             # chunk near the start of a slot does not pay for attention over max_len masked positions.
             for size in self.config.chunk_sizes:
                 table["prefill", size, attend] = (f"prefill chunk {size} (attends {attend})",
-                                                  jit(_prefill_step, step=step, attend=attend))
-            table["decode", attend] = (f"decode step (attends {attend})", jit(_decode_step, step=step, attend=attend))
+                                                  jit(_prefill_step, attend=attend, **model))
+            table["decode", attend] = (f"decode step (attends {attend})", jit(_decode_step, attend=attend, **model))
             table["prefill_rows", attend] = (f"batched prefill {rows} x {self.row_chunk} (attends {attend})",
-                                             jit(_prefill_rows_step, step=step, attend=attend))
+                                             jit(_prefill_rows_step, attend=attend, **model))
             if verify > 1:
                 table["verify", attend] = (f"speculative verify (attends {attend})",
-                                           jit(_verify_step, step=step, attend=attend))
+                                           jit(_verify_step, attend=attend, **model))
             if self.rows_verify_exact:
                 table["verify_rows", attend] = (f"batched speculative verify {rows} x {width} (attends {attend})",
-                                                jit(_verify_rows_step, step=step, attend=attend))
+                                                jit(_verify_rows_step, attend=attend, **model))
             # Slot ranges move to and from the host, or between slots, in bucket-sized pieces (static shapes).
             table["read", attend] = (f"slot save ({attend} positions)", jit(_read_range, None, size=attend))
             table["write", attend] = (f"slot restore ({attend} positions)", jit(_write_range, 0))
@@ -503,19 +504,21 @@ def _one_slot(start: int, n: int, slot: int) -> np.ndarray:
     return np.array([start, n, slot], np.int32)
 
 
-def _prefill_step(params, cache, tokens, ints, *, step, attend: int):
+def _prefill_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
     start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
-    logits, cache = step(params, cache, tokens, start, n_valid, slot, logits_mode="last", attend=attend)
+    logits, cache = prefill_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
+                                  ring_width=ring_width)
     return logits[0], cache  # [V]: the one row, sliced inside the program (an eager slice compiles a program)
 
 
-def _prefill_rows_step(params, cache, tokens, ints, *, step, attend: int):
-    return step(params, cache, tokens, ints[0], ints[1], None, logits_mode="last", attend=attend)
+def _prefill_rows_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
+    return prefill_chunk(params, cache, tokens, ints[0], ints[1], None, cfg=cfg, attend=attend,
+                         ring_width=ring_width)
 
 
-def _decode_step(params, cache, packed, *, step, attend: int):
+def _decode_step(params, cache, packed, *, cfg, ring_width: int, attend: int):
     tokens, positions, active = packed[0], packed[1], packed[2]
-    return step(params, cache, tokens[:, None], positions, active, None, logits_mode="last", attend=attend)
+    return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, ring_width=ring_width)
 
 
 def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -> jax.Array:
@@ -525,16 +528,18 @@ def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
 
 
-def _verify_step(params, cache, tokens, ints, *, step, attend: int):
+def _verify_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
     start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
-    logits, cache = step(params, cache, tokens, start, n_valid, slot, logits_mode="all", attend=attend)
+    logits, cache = verify_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
+                                 ring_width=ring_width)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
 
 
-def _verify_rows_step(params, cache, tokens, ints, *, step, attend: int):
+def _verify_rows_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
     starts, n_valid = ints[0], ints[1]
-    logits, cache = step(params, cache, tokens, starts, n_valid, None, logits_mode="all", attend=attend)
+    logits, cache = verify_chunk(params, cache, tokens, starts, n_valid, None, cfg=cfg, attend=attend,
+                                 ring_width=ring_width)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
 

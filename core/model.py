@@ -1,13 +1,17 @@
 """Gemma 3 / Gemma 4 text decoder in plain JAX, written once against the slot KV pool.
 
-One function, `forward`, serves every use: a prompt chunk into a slot from any position (continuing what
-the slot holds), the batched one-token decode step over all slots, and speculative verify chunks. Each call
-first writes its chunk's K/V into the cache at the chunk's absolute positions, then every query attends over
-the cache alone (global layers over a prefix of the positions, sliding layers over a ring view of the last
-ones), so a chunk reads its own keys exactly as later decode steps will read them.
+One body, `hidden_states` (embedding, decoder layers, final norm), serves every use through small entry
+points that differ only in which logits they return: `prefill_chunk` (a prompt chunk into a slot from any
+position, continuing what the slot holds) and `decode_step` (one token for every slot at once) give each row's
+logits at its last real token; `verify_chunk` (speculative verify) and `sequence_logits` (scoring a whole
+sequence) give them at every token. Each layer that owns a cache writes its chunk's K/V into it at the
+chunk's absolute positions before any query reads it (a layer sharing another's cache runs after that layer
+has written it); every query then attends over the cache alone (global layers over a prefix of the
+positions, sliding layers over a ring view of the last ones), so a chunk reads its own keys exactly as later
+decode steps will read them.
 
 Shapes: B rows (slots), T tokens per row, H hidden, nh query heads, kh KV heads, d head size,
-L cache positions read (an attention bucket, or a ring view), V vocab.
+L cache positions read (an attention bucket, or a ring view), V vocab, P per-layer input size (Gemma 4).
 """
 
 from __future__ import annotations
@@ -229,7 +233,16 @@ def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, h_emb:
     return (proj + token_part) * jnp.asarray(2.0**-0.5, dtype)
 
 
-def forward(
+def embed(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> tuple[jax.Array, jax.Array | None]:
+    """tokens [B, T] int32 -> (h [B, T, H] scaled embeddings in the compute dtype, Gemma 4's per-layer
+    inputs [B, T, num_layers, P] or None)."""
+    dtype = params["final_norm"].dtype  # the compute dtype
+    h = embedding_rows(params["embed"], tokens, dtype) * jnp.asarray(cfg.hidden_size**0.5, dtype)
+    ple = per_layer_inputs(params, cfg, tokens, h) if cfg.ple_dim else None
+    return h, ple
+
+
+def hidden_states(
     params: Params,
     cache: KVCache,
     tokens: jax.Array,
@@ -238,30 +251,28 @@ def forward(
     slots: jax.Array | None,
     *,
     cfg: ModelConfig,
-    logits_mode: str,
     attend: int | None = None,
     ring_width: int = 1,
 ) -> tuple[jax.Array, KVCache]:
-    """Run T tokens per row through the model: write their K/V into each row's slot, then attend over the cache.
+    """Run T tokens per row through the embedding, every decoder layer and the final norm: (h [B, T, H], cache).
 
-    tokens [B, T] int32: row b holds positions starts[b] .. starts[b] + T - 1, of which the first n_valid[b]
-    are real (the rest is padding; n_valid 0 marks an idle row that writes nothing). slots [B]: the slot of
-    each row, or None when row b is slot b of the whole pool. logits_mode: "all" -> [B, T, V]; "last" ->
-    [B, V] at each row's last real token. attend: global layers read only cache positions [0, attend), which
-    must cover every row's chunk (starts + n_valid), so a step's attention cost follows the longest context
-    in it, not max_len. ring_width: sliding layers read a ring view sized for max(T, ring_width) tokens per
-    row (`core.kv_cache.ring_view_length`); decode and speculative verify pass their common width so each of
-    their rows computes exactly what a decode step at that position computes.
+    tokens [B, T] int32: row b holds positions starts[b] .. starts[b] + T - 1 (starts [B] int32), of which the
+    first n_valid[b] (n_valid [B]) are real (the rest is padding; n_valid 0 marks an idle row that writes
+    nothing). slots [B] int32: the slot of each row, or None when row b is slot b of the whole pool. attend:
+    global layers read only cache positions [0, attend), which must cover every row's chunk (starts +
+    n_valid), so a step's attention cost follows the longest context in it, not max_len. ring_width: sliding
+    layers read a ring view sized for max(T, ring_width) tokens per row (`core.kv_cache.ring_view_length`);
+    decode and speculative verify pass their common width so each of their rows computes exactly what a
+    decode step at that position computes.
 
     New K/V are scattered into the donated cache before any layer reads it, so XLA updates it in place (a
     read before a later scatter makes it copy the whole cache), and every query reads its keys back from the
     cache in the cache's own dtype, as decode does.
     """
-    b, t = tokens.shape
+    t = tokens.shape[1]
     dtype = params["final_norm"].dtype  # the compute dtype
     positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]  # [B, T] absolute positions
-    h = embedding_rows(params["embed"], tokens, dtype) * jnp.asarray(cfg.hidden_size**0.5, dtype)
-    ple = per_layer_inputs(params, cfg, tokens, h) if cfg.ple_dim else None
+    h, ple = embed(params, tokens, cfg=cfg)
 
     ropes = {}
     for layer in cfg.layers:
@@ -273,12 +284,88 @@ def forward(
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         h, cache = decoder_layer(h, cache, lp, layer, cfg, chunk, ropes[(layer.kind, layer.head_dim)],
                                  None if ple is None else ple[:, :, layer.index, :])
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), cache
 
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    if logits_mode == "last":
-        last = jnp.clip(n_valid - 1, 0, t - 1)
-        h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+
+def last_real_token(h: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """h [B, T, H] -> [B, H] at each row's last real token (n_valid [B]; an idle row reads its first)."""
+    last = jnp.clip(n_valid - 1, 0, h.shape[1] - 1)
+    return jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+
+
+def prefill_chunk(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    starts: jax.Array,
+    n_valid: jax.Array,
+    slots: jax.Array | None,
+    *,
+    cfg: ModelConfig,
+    attend: int | None = None,
+    ring_width: int = 1,
+) -> tuple[jax.Array, KVCache]:
+    """A prompt chunk per row, tokens [B, T] int32 from starts [B] (n_valid [B] real, slots [B] or None, as in
+    `hidden_states`), continuing what each slot holds: (logits [B, V] float32 at each row's last real token,
+    cache)."""
+    h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
+                             ring_width=ring_width)
+    return lm_head(params, cfg, last_real_token(h, n_valid)), cache
+
+
+def decode_step(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    active: jax.Array,
+    *,
+    cfg: ModelConfig,
+    attend: int | None = None,
+    ring_width: int = 1,
+) -> tuple[jax.Array, KVCache]:
+    """One token for every slot of the pool: tokens [B] int32 at positions [B] int32, active [B] (0 / 1; an
+    idle slot writes nothing): (logits [B, V] float32, cache)."""
+    return prefill_chunk(params, cache, tokens[:, None], positions, active, None, cfg=cfg, attend=attend,
+                         ring_width=ring_width)
+
+
+def sequence_logits(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    starts: jax.Array,
+    n_valid: jax.Array,
+    slots: jax.Array | None,
+    *,
+    cfg: ModelConfig,
+    attend: int | None = None,
+    ring_width: int = 1,
+) -> tuple[jax.Array, KVCache]:
+    """Logits at every position of a chunk (scoring a whole sequence, teacher forcing): tokens [B, T] int32
+    and the rest as in `hidden_states` -> (logits [B, T, V] float32, cache)."""
+    h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
+                             ring_width=ring_width)
     return lm_head(params, cfg, h), cache
+
+
+def verify_chunk(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    starts: jax.Array,
+    n_valid: jax.Array,
+    slots: jax.Array | None,
+    *,
+    cfg: ModelConfig,
+    attend: int | None = None,
+    ring_width: int = 1,
+) -> tuple[jax.Array, KVCache]:
+    """A speculative verify chunk per row (the last sampled token, then drafts): tokens [B, T] int32 and the
+    rest as in `hidden_states` -> (logits [B, T, V] float32 after each token, cache). ring_width must be the
+    one decode steps use, so each row's logits equal the decode step's at that position."""
+    return sequence_logits(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
+                           ring_width=ring_width)
 
 
 @dataclass(frozen=True)
@@ -286,7 +373,7 @@ class Chunk:
     """Where one call's tokens sit, as every layer reads it: positions [B, T]; ends [B] one past each row's
     last (possibly padded) query; held [B] positions each row's slot holds once the chunk is written;
     n_valid [B] real tokens per row; slots [B] or None (row b is slot b); attend and ring_width as in
-    `forward`."""
+    `hidden_states`."""
 
     positions: jax.Array
     ends: jax.Array
@@ -343,6 +430,7 @@ def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, 
 
 
 def lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Hidden states h [..., H] (final-normed) -> logits [..., V] float32, soft-capped where the model says so."""
     weight = params["lm_head"] if params.get("lm_head") is not None else params["embed"]
     logits = linear(h, weight).astype(jnp.float32)
     if cfg.final_logit_softcap is not None:

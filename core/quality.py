@@ -11,7 +11,7 @@ import numpy as np
 
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, init_cache
-from core.model import forward
+from core.model import sequence_logits
 
 REFERENCE_TEXT = "pydoc_data.topics (Python's help topics, sorted by name)"
 
@@ -31,8 +31,8 @@ def reference_tokens(tokenizer: Any, n: int) -> list[int]:
 
 def _chunk_fn(cfg: ModelConfig):
     def step(params, cache, tokens, start, targets):
-        logits, cache = forward(params, cache, tokens, start, jnp.full(1, tokens.shape[1], jnp.int32),
-                                None, cfg=cfg, logits_mode="all")
+        logits, cache = sequence_logits(params, cache, tokens, start, jnp.full(1, tokens.shape[1], jnp.int32),
+                                        None, cfg=cfg)
         logp = jax.nn.log_softmax(logits[0], axis=-1)
         return jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], jnp.argmax(logits[0], axis=-1), cache
 

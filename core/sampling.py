@@ -20,19 +20,19 @@ largest threshold:
   top-p   keep a token iff the probability mass (renormalised over the top-k set) of tokens strictly more
           likely than it is < top_p, i.e. the smallest head of the sorted distribution with mass >= top_p;
   min-p   keep p >= min_p * p_max, i.e. logit >= max + T * log(min_p) (renormalising does not change it).
-The cuts come from the K_MAX + 1 largest logits (a blocked top-k, no sort: sorting [8, 262144] costs
-~0.5 s on CPU). When a row's top-k or top-p cut lies beyond those candidates (top_k > K_MAX, or a nucleus
-wider than K_MAX tokens), a `lax.cond` taken only when some row needs it finds the cut by bisection over
-the float32 bit patterns (~25-32 passes over V, ~25-30 ms for [8, 262144] on 2 CPU cores), so the set is
-exact either way; the only inexactness left is float32 rounding in the probability sums (a token whose
-cumulative mass is within summation error, ~1e-5 relative, of top_p may fall on either side). min-p
-needs no candidates.
+The cuts come from the K_MAX + 1 largest logits (a blocked top-k, no sort: on CPU, sorting 262k-token rows
+costs far more than the whole rest of the sampler). When a row's top-k or top-p cut lies beyond those
+candidates (top_k > K_MAX, or a nucleus wider than K_MAX tokens), a `lax.cond` taken only when some row needs
+it finds the cut by bisection over the float32 bit patterns (25-32 passes over V: too dear to run every step,
+cheap enough for the rare row that needs it), so the set is exact either way; the only inexactness left is
+float32 rounding in the probability sums (a token whose cumulative mass is within summation error, ~1e-5
+relative, of top_p may fall on either side). min-p needs no candidates.
 
 The draw is inverse-CDF with one uniform per row from fold_in(PRNGKey(seed), step): over the candidates
 when the kept set lies inside them, else block sums over the row pick a block and a cumulative sum inside
 it picks the token. A row's token depends only on its own logits, parameters, seed and step, never on its
-slot, its neighbours, or which branches the batch took. (Gumbel-max would need V random numbers per row:
-~65 ms for [8, 262144] on CPU, against ~1 ms for this.)
+slot, its neighbours, or which branches the batch took. (Gumbel-max would need V random numbers per row,
+tens of times dearer on CPU than one uniform and a block-sum walk.)
 
 A row whose mask allows no token returns token -1 (and logprob -inf); the caller treats it as an error.
 """
@@ -49,14 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Static cap on the candidates used to find top-k / top-p cuts without bisection. The blocked top-k of
-# K_MAX + 1 over [8, 262144] costs ~0.8 / 1.2 / 2.1 / 7 ms on 2 CPU cores for K_MAX = 64 / 128 / 256 /
-# 1024; 128 covers the nucleus of a peaked LM distribution at top_p <= 0.95 in most steps. Wider top-k /
-# top-p sets take the exact bisection fallback instead. `sample(..., k_max=)` overrides it (static).
+# Static cap on the candidates used to find top-k / top-p cuts without bisection. The blocked top-k's
+# cost grows with K_MAX (slowly up to a few hundred, steeply beyond); 128 is still cheap and covers the
+# nucleus of a peaked LM distribution at top_p <= 0.95 in most steps. Wider top-k / top-p sets take the
+# exact bisection fallback instead. `sample(..., k_max=)` overrides it (static).
 K_MAX = 128
 # Logit bias is stored sparse: [S, MAX_LOGIT_BIAS] ids + values, scattered into the logits each step.
-# On CPU with V = 262144 the scatter (~0.5 ms) beats adding a dense [S, V] f32 array (~1.3 ms, 8 MiB
-# read per step, and 8 MiB of state). MAX_LOGIT_BIAS is this server's per-request limit.
+# On CPU with V = 262144 the scatter is cheaper than adding a dense [S, V] f32 array, which would be read
+# in full every step and held as state. MAX_LOGIT_BIAS is this server's per-request limit.
 MAX_LOGIT_BIAS = 300
 MAX_LOGPROBS = 20
 # Block sizes: [S, V] is viewed as [S, V/B, B] for the argmax and the inverse-CDF draw (256) and for
@@ -262,7 +262,7 @@ def pack_mask(allowed: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------
 # Blocked helpers over a row viewed as [S, NB, B] (padded with -inf). XLA's CPU argmax and top_k over a
-# 262k row are slow (~2.6 ms and ~5.5 ms for 8 rows); reducing per block first is several times cheaper.
+# 262k row are slow; reducing per block first is several times cheaper.
 
 
 def _to_blocks(x: jax.Array, block: int) -> jax.Array:
@@ -288,7 +288,7 @@ def _block_top_k(lb: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     top-k of the block maxima, a gather of those blocks in index order and a top-k over k * B elements
     give the exact answer. The results pass through an optimization barrier: otherwise XLA folds later
     slices (e.g. vals[:, -1]) into the sort, which then is no longer rewritten to its fast TopK (a top-65
-    went from ~0.8 ms to ~6 ms on CPU, a flat top-k over V to ~450 ms).
+    several times slower on CPU, a flat top-k over V as slow as a full sort).
     """
     s, nb, b = lb.shape
     if k >= nb:
@@ -321,7 +321,7 @@ def _bisect_threshold(x: jax.Array, w: jax.Array, target: jax.Array, lo: jax.Arr
     is lo (keeps everything >= lo). Bisection over the float32 order keys between lo and hi, one pass
     over V per step: log2(number of floats in [lo, hi]) steps, at most 32 (~25 for logits in [1.5, 10]).
     (Halving by value and stopping once no token lies strictly inside would need a second reduction per
-    pass, which XLA:CPU does not fuse: ~2.3 ms instead of ~0.9 ms per pass, for ~24 passes instead of ~25.)
+    pass, which XLA:CPU does not fuse: each pass would cost over twice as much, to save about one pass.)
     """
     def cond(carry: tuple[jax.Array, jax.Array]) -> jax.Array:
         lo_k, hi_k = carry

@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import mmap
 import os
 import shutil
-import struct
 import tempfile
 import threading
 from collections.abc import Iterable
@@ -29,7 +27,7 @@ from tokenizers.models import BPE
 
 from core.device import default_cache_dir
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer", "read_gguf_metadata", "tokenizer_cache_dir"]
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "gguf_tokenizer_key", "tokenizer_cache_dir"]
 
 # Bump when the GGUF -> tokenizer.json conversion changes, so stale cache entries are not reused.
 _BUILD_VERSION = "1"
@@ -49,67 +47,25 @@ def tokenizer_cache_dir() -> Path:
 
 
 # --------------------------------------------------------------------------------------------------
-# GGUF metadata
+# GGUF tokenizer cache key (the metadata itself: core.loaders.gguf_reader)
 # --------------------------------------------------------------------------------------------------
 
-# gguf.GGUFValueType ids -> struct formats for the fixed-size scalar types.
-_SCALAR_FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
 
+def gguf_tokenizer_key(path: str | Path, spans: dict[str, tuple[int, int]] | None = None) -> str:
+    """The sha256 naming a GGUF's converted tokenizer in the cache: the build version and the raw bytes of
+    ``general.architecture`` and every ``tokenizer.*`` entry, i.e. all the conversion reads. `spans` is
+    the header's (`core.loaders.gguf_reader.read_gguf_header`), read here when not given."""
+    if spans is None:
+        from core.loaders.gguf_reader import read_gguf_header
 
-def read_gguf_metadata(path: str | Path) -> tuple[dict[str, Any], str]:
-    """The GGUF's key/value metadata, and a sha256 identifying its tokenizer.
-
-    gguf.GGUFReader builds several numpy views per array element, which takes ~15 s for a 262k-entry
-    vocabulary; this walks only the header with struct, in well under a second. The digest covers the
-    raw bytes of ``general.architecture`` and every ``tokenizer.*`` entry, i.e. all the conversion reads.
-    """
+        spans = read_gguf_header(path).spans
     digest = hashlib.sha256(f"slotserve-tokenizer-v{_BUILD_VERSION}".encode())
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        (version,) = struct.unpack_from("<I", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version} (big-endian or v1?)")
-        _n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-        off = 24
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            start = off
-            key, off = _read_str(buf, off)
-            (vtype,) = struct.unpack_from("<I", buf, off)
-            value, off = _read_value(buf, off + 4, vtype)
-            meta[key] = value
+    with open(path, "rb") as f:
+        for key, (start, end) in spans.items():
             if key.startswith("tokenizer.") or key == "general.architecture":
-                digest.update(buf[start:off])
-    return meta, digest.hexdigest()
-
-
-def _read_str(buf: mmap.mmap, off: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, off)
-    off += 8
-    # surrogateescape keeps a malformed token round-trippable instead of failing the whole load.
-    return buf[off : off + n].decode("utf-8", "surrogateescape"), off + n
-
-
-def _read_value(buf: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
-    if vtype == _STRING:
-        return _read_str(buf, off)
-    if vtype in _SCALAR_FMT:
-        fmt = "<" + _SCALAR_FMT[vtype]
-        return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
-    if vtype != _ARRAY:
-        raise ValueError(f"unknown GGUF value type {vtype}")
-    itype, count = struct.unpack_from("<IQ", buf, off)
-    off += 12
-    if itype in _SCALAR_FMT:  # one bulk unpack instead of `count` calls
-        fmt = f"<{count}{_SCALAR_FMT[itype]}"
-        return list(struct.unpack_from(fmt, buf, off)), off + struct.calcsize(fmt)
-    items = []
-    for _ in range(count):
-        item, off = _read_value(buf, off, itype)
-        items.append(item)
-    return items, off
+                f.seek(start)
+                digest.update(f.read(end - start))
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -347,7 +303,10 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: Path, cache_dir: Path) -> Tokenizer:
-        meta, key = read_gguf_metadata(path)
+        from core.loaders.gguf_reader import read_gguf_header  # imported here: the loaders are heavy to import
+
+        header = read_gguf_header(path)
+        meta, key = header.metadata, gguf_tokenizer_key(path, header.spans)
         entry = cache_dir / key
         if entry.exists():
             if (entry / _TOKENIZER_FILE).is_file() and (entry / _CONFIG_FILE).is_file():

@@ -12,7 +12,7 @@ import pytest
 
 from core.engine import Engine, EngineConfig
 from core.kv_cache import CacheSpec, init_cache
-from core.model import forward
+from core.model import sequence_logits
 from core.weights import random_params
 from tiny_models import WINDOW, model_config
 
@@ -33,7 +33,7 @@ def setup(request, compile_cache):
     engine = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS,
                                               attention_buckets=BUCKETS, verify_width=VERIFY), "float32")
     engine.warmup()
-    full = jax.jit(partial(forward, cfg=cfg, logits_mode="all"))
+    full = jax.jit(partial(sequence_logits, cfg=cfg))
 
     def reference(ids: np.ndarray) -> np.ndarray:
         cache = init_cache(cfg, CacheSpec(num_slots=1, max_len=len(ids)))

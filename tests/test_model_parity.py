@@ -14,7 +14,7 @@ from core.config import ModelConfig
 from core.engine import Engine, EngineConfig
 from core.kv_cache import CacheSpec, init_cache
 from core.loaders import open_checkpoint
-from core.model import forward
+from core.model import sequence_logits
 from core.weights import load_params
 from tiny_models import WINDOW
 
@@ -31,7 +31,7 @@ def load_ours(directory):
 def full_logits(cfg, params, ids: np.ndarray) -> np.ndarray:
     b, t = ids.shape
     cache = init_cache(cfg, CacheSpec(num_slots=b, max_len=t))
-    fn = jax.jit(partial(forward, cfg=cfg, logits_mode="all"))
+    fn = jax.jit(partial(sequence_logits, cfg=cfg))
     logits, _ = fn(params, cache, jnp.asarray(ids, jnp.int32), jnp.zeros(b, jnp.int32),
                    jnp.full(b, t, jnp.int32), jnp.arange(b, dtype=jnp.int32))
     return np.asarray(logits)

@@ -80,11 +80,11 @@ def test_prompt_logits_agree(real_model, hf_real_model, engine):
     import torch
 
     from core.kv_cache import CacheSpec, init_cache
-    from core.model import forward
+    from core.model import sequence_logits
 
     tok = real_model.tokenizer
     cfg = real_model.cfg
-    fn = jax.jit(partial(forward, cfg=cfg, logits_mode="all"))
+    fn = jax.jit(partial(sequence_logits, cfg=cfg))
     for text in PROMPTS:
         ids = tok.encode(text, add_bos=True)
         cache = init_cache(cfg, CacheSpec(1, len(ids)))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizer_fixtures import CORPUS, random_texts, reference_tokenizer
 
-from core.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_metadata, tokenizer_cache_dir
+from core.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_tokenizer_key, tokenizer_cache_dir
 
 # --------------------------------------------------------------------------------------------------
 # fixtures
@@ -81,7 +81,7 @@ def test_gguf_build_is_fast_and_cached(build_times, tok_cache, gguf_path, capsys
         )
     assert not cold.from_cache
     assert warm.from_cache
-    _, key = read_gguf_metadata(gguf_path)
+    key = gguf_tokenizer_key(gguf_path)
     assert (tok_cache / key / "tokenizer.json").is_file()
     assert (tok_cache / key / "tokenizer_config.json").is_file()
     for text in CORPUS:
@@ -91,13 +91,13 @@ def test_gguf_build_is_fast_and_cached(build_times, tok_cache, gguf_path, capsys
 def test_cache_dir_env_var(monkeypatch, tmp_path, tok_cache, gguf_path):
     monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path))
     assert tokenizer_cache_dir() == tmp_path / "tokenizers"
-    _, key = read_gguf_metadata(gguf_path)
+    key = gguf_tokenizer_key(gguf_path)
     shutil.copytree(tok_cache / key, tmp_path / "tokenizers" / key)  # seed it; a cold build is tested above
     assert Tokenizer.from_pretrained(gguf_path).from_cache
 
 
 def test_corrupt_cache_entry_is_rebuilt(tmp_path, tok_cache, gguf_path, tok):
-    _, key = read_gguf_metadata(gguf_path)
+    key = gguf_tokenizer_key(gguf_path)
     shutil.copytree(tok_cache / key, tmp_path / key)
     (tmp_path / key / "tokenizer.json").write_text("{not json")
     rebuilt = Tokenizer.from_pretrained(gguf_path, cache_dir=tmp_path)
@@ -305,7 +305,9 @@ def test_metadata_matches_gguf_reader(gguf_path):
     """Our header walk reads the same tokenizer metadata as the gguf package's (slow) GGUFReader."""
     from gguf import GGUFReader
 
-    ours, _ = read_gguf_metadata(gguf_path)
+    from core.loaders.gguf_reader import read_gguf_header
+
+    ours = read_gguf_header(gguf_path).metadata
     reader = GGUFReader(gguf_path)
     keys = [k for k in reader.fields if k.startswith("tokenizer.") or k == "general.architecture"]
     assert "tokenizer.ggml.tokens" in keys

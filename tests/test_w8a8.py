@@ -120,7 +120,7 @@ def fake_quant_linear(x: jax.Array, w) -> jax.Array:
 def logits_for(cfg, params, ids, linear=None, monkeypatch=None):
     if linear is not None:
         monkeypatch.setattr(model, "linear", linear)
-    fn = jax.jit(partial(model.forward, cfg=cfg, logits_mode="all"))
+    fn = jax.jit(partial(model.sequence_logits, cfg=cfg))
     cache = init_cache(cfg, CacheSpec(1, ids.shape[1]))
     out, _ = fn(params, cache, jnp.asarray(ids, jnp.int32), jnp.zeros(1, jnp.int32),
                 jnp.full(1, ids.shape[1], jnp.int32), jnp.zeros(1, jnp.int32))

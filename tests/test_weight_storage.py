@@ -10,7 +10,7 @@ import numpy as np
 
 from core.config import expected_tensor_shapes
 from core.kv_cache import CacheSpec, init_cache
-from core.model import embedding_rows, forward
+from core.model import embedding_rows, sequence_logits
 from core.weights import WeightPolicy, load_params, quantize_rows_int4, quantize_rows_int8
 from tiny_models import model_config
 
@@ -43,7 +43,7 @@ class ArraySource:
 
 
 def logits_for(cfg, params, ids):
-    fn = jax.jit(partial(forward, cfg=cfg, logits_mode="all"))
+    fn = jax.jit(partial(sequence_logits, cfg=cfg))
     cache = init_cache(cfg, CacheSpec(1, ids.shape[1]))
     out, _ = fn(params, cache, jnp.asarray(ids, jnp.int32), jnp.zeros(1, jnp.int32),
                 jnp.full(1, ids.shape[1], jnp.int32), jnp.zeros(1, jnp.int32))

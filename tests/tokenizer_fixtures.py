@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from core.tokenizer import read_gguf_metadata, tokenizer_cache_dir
+from core.tokenizer import gguf_tokenizer_key, tokenizer_cache_dir
 
 # Each entry exercises a different part of the pipeline: the " " -> "▁" normalizer, added tokens matched
 # in raw text ("\n" runs, "\t" runs, HTML tags), respelled all-space tokens, byte fallback, control tokens.
@@ -99,7 +99,7 @@ def reference_tokenizer(gguf: Path):
     import transformers
     from transformers import AutoTokenizer
 
-    _, key = read_gguf_metadata(gguf)
+    key = gguf_tokenizer_key(gguf)
     entry = tokenizer_cache_dir() / "hf-reference" / f"transformers-{transformers.__version__}-{key}"
     if (entry / "tokenizer.json").is_file() and not os.environ.get("SLOTSERVE_TEST_FRESH_REFERENCE"):
         return AutoTokenizer.from_pretrained(str(entry)), True

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
-
 from .errors import CheckpointError
 
 # Values transformers takes from Gemma3TextConfig's defaults, since a Gemma 3 GGUF does not state them
@@ -31,25 +29,25 @@ REQUIRED_KEYS = (
 )
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def field(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     """One metadata value as a Python scalar, string or list, or `default` if absent."""
-    entry = reader.fields.get(key)
-    return default if entry is None else entry.contents()
+    return metadata.get(key, default)
 
 
-def gemma3_text_config(reader: gguf.GGUFReader, path: Path, vocab_size: int, tied: bool) -> dict:
-    """A transformers `Gemma3TextConfig`-style dict for the `gemma3` GGUF at `path`.
+def gemma3_text_config(metadata: dict[str, Any], path: Path, vocab_size: int, tied: bool) -> dict:
+    """A transformers `Gemma3TextConfig`-style dict for the `gemma3` GGUF at `path`, from its metadata
+    (`core.loaders.gguf_reader.read_gguf_header`).
 
     `vocab_size` comes from the embedding's shape and `tied` from whether `output.weight` exists, the
     same evidence transformers uses.
     """
     arch = "gemma3"
-    missing = [f"{arch}.{k}" for k in REQUIRED_KEYS if f"{arch}.{k}" not in reader.fields]
+    missing = [f"{arch}.{k}" for k in REQUIRED_KEYS if f"{arch}.{k}" not in metadata]
     if missing:
         raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
 
     def key(name: str, default: Any = None) -> Any:
-        return field(reader, f"{arch}.{name}", default)
+        return field(metadata, f"{arch}.{name}", default)
 
     layers = key("block_count")
     hidden = key("embedding_length")
@@ -101,8 +99,8 @@ def gemma3_text_config(reader: gguf.GGUFReader, path: Path, vocab_size: int, tie
         "attn_logit_softcapping": key("attn_logit_softcapping"),
         "attention_bias": False,
         "tie_word_embeddings": tied,
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
-        "unk_token_id": field(reader, "tokenizer.ggml.unknown_token_id"),
+        "bos_token_id": field(metadata, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(metadata, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": field(metadata, "tokenizer.ggml.padding_token_id"),
+        "unk_token_id": field(metadata, "tokenizer.ggml.unknown_token_id"),
     }

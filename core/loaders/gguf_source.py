@@ -5,14 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from .errors import CheckpointError
 from .gguf_config import field, gemma3_text_config
-from .gguf_reader import FastGGUFReader
+from .gguf_reader import GGUFTensor, read_gguf_header
 
 SUPPORTED_ARCHITECTURES = ("gemma3",)
 
@@ -74,17 +73,17 @@ class GGUFSource:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         try:
-            self._reader = FastGGUFReader(self.path)
-        except Exception as exc:  # GGUFReader signals bad magic/truncation with assorted exception types
+            header = read_gguf_header(self.path)
+        except Exception as exc:  # bad magic, truncation and bad values surface as assorted exception types
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({exc})") from exc
-        arch = field(self._reader, "general.architecture")
+        arch = field(header.metadata, "general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(
                 f"{self.path}: GGUF architecture {arch!r} is not supported "
                 f"(only {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        self._tensors: dict[str, gguf.ReaderTensor] = {}
-        for tensor in self._reader.tensors:
+        self._tensors: dict[str, GGUFTensor] = {}
+        for tensor in header.tensors:
             if tensor.tensor_type not in SUPPORTED_TYPES:
                 raise CheckpointError(
                     f"{self.path}: tensor {tensor.name!r} has unsupported GGUF type {tensor.tensor_type.name}"
@@ -99,7 +98,7 @@ class GGUFSource:
         if "embed_tokens.weight" not in self._tensors:
             raise CheckpointError(f"{self.path}: tensor 'token_embd.weight' is missing")
         self.config: dict = gemma3_text_config(
-            self._reader,
+            header.metadata,
             self.path,
             vocab_size=self.shape("embed_tokens.weight")[0],
             tied="lm_head.weight" not in self._tensors,
@@ -139,7 +138,7 @@ class GGUFSource:
             raise CheckpointError(f"{self.path}: cannot dequantize tensor {tensor.name!r} ({exc})") from exc
         return out.reshape(shape)
 
-    def _tensor(self, name: str) -> gguf.ReaderTensor:
+    def _tensor(self, name: str) -> GGUFTensor:
         try:
             return self._tensors[name]
         except KeyError:
