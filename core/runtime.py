@@ -78,7 +78,7 @@ def _prepared_params(source: CheckpointSource, cfg: ModelConfig, policy: WeightP
     """The parameters on the device, and whether they came from the weights cache."""
     params, cached = None, False
     if weights_cache is not None:
-        key = weight_cache.cache_key(weight_cache.checkpoint_identity(Path(source.path)), asdict(policy))
+        key = weight_cache.cache_key(weight_cache.checkpoint_identity(Path(source.path), weights_cache), asdict(policy))
         params = weight_cache.load(weights_cache, key, jax.device_put)
         cached = params is not None
     if params is None:

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from core.device import default_cache_dir
+from core.file_memo import remembered
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "gguf_tokenizer_key", "tokenizer_cache_dir"]
 
@@ -305,15 +306,15 @@ class Tokenizer:
     def _from_gguf(cls, path: Path, cache_dir: Path) -> Tokenizer:
         from core.loaders.gguf_reader import read_gguf_header  # imported here: the loaders are heavy to import
 
-        header = read_gguf_header(path)
-        meta, key = header.metadata, gguf_tokenizer_key(path, header.spans)
+        # The key is remembered per unchanged file (core.file_memo): a restart need not parse the header.
+        key = remembered(path, "tokenizer-key", lambda: gguf_tokenizer_key(path), cache_dir)
         entry = cache_dir / key
         if entry.exists():
             if (entry / _TOKENIZER_FILE).is_file() and (entry / _CONFIG_FILE).is_file():
                 with contextlib.suppress(Exception):  # a corrupt entry is rebuilt, not fatal
                     return cls._from_dir(entry, from_cache=True)
             shutil.rmtree(entry, ignore_errors=True)
-        backend, config = _build_from_gguf(meta)
+        backend, config = _build_from_gguf(read_gguf_header(path).metadata)
         with contextlib.suppress(OSError):  # a read-only cache only costs speed
             _write_entry(entry, backend, config)
         return cls(backend, config)

@@ -1,11 +1,12 @@
 """Prepared weights kept on disk: the parameters exactly as the engine takes them (dequantized, quantized to
 W8A8 and rotated, fused), so that a restart reads them back instead of preparing them again.
 
-A cache file is a safetensors file named by its key: the checkpoint's identity (a GGUF file's content hash;
-for a checkpoint directory, its files' names, sizes and modification times), the preparation settings and
-`FORMAT`. Its metadata holds the key again, the parameter tree's shape and a SHA-256 of the tensors; a
-file whose key or checksum does not match is not used (it is rebuilt). Writes go to a temporary file that
-is renamed into place, so a crash never leaves a half-written cache behind.
+A cache file is a safetensors file named by its key: the checkpoint's identity (a GGUF file's content hash,
+remembered beside the file's stats so that an unchanged file is not read again; for a checkpoint
+directory, its files' names, sizes and modification times), the preparation settings and `FORMAT`. Its
+metadata holds the key again, the parameter tree's shape and a SHA-256 of the tensors; a file whose key or
+checksum does not match is not used (it is rebuilt). Writes go to a temporary file that is renamed into
+place, so a crash never leaves a half-written cache behind.
 """
 
 from __future__ import annotations
@@ -20,23 +21,31 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from core.file_memo import remembered
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump whenever what the loaders prepare changes (the old files then no longer match)
 _HASH_CHUNK = 1 << 20
 
 
-def checkpoint_identity(path: Path) -> str:
-    """What identifies the checkpoint's bytes: a single file's content hash, or a directory's file stats."""
-    digest = hashlib.sha256()
+def checkpoint_identity(path: Path, memo_dir: Path | None = None) -> str:
+    """What identifies the checkpoint's bytes: a single file's content hash (remembered in ``memo_dir``
+    while the file is unchanged, `core.file_memo`), or a directory's file stats."""
     if path.is_file():
-        with path.open("rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
+        return remembered(path, "sha256", lambda: _content_hash(path), memo_dir)
+    digest = hashlib.sha256()
     for f in sorted(p for p in path.iterdir() if p.is_file()):
         stat = f.stat()
         digest.update(f"{f.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _content_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -76,7 +85,7 @@ def _checksum(arrays: dict[str, np.ndarray]) -> str:
     digest = hashlib.sha256()
     for name in sorted(arrays):
         digest.update(name.encode())
-        digest.update(np.ascontiguousarray(arrays[name]).tobytes())
+        digest.update(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))  # the bytes, not a copy
     return digest.hexdigest()
 
 

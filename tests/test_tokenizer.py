@@ -318,3 +318,18 @@ def test_metadata_matches_gguf_reader(gguf_path):
             assert ours[key] == pytest.approx(theirs), key
         else:
             assert ours[key] == theirs, key
+
+
+def test_a_restart_keys_the_cached_tokenizer_without_reading_the_gguf_header(tmp_path, tok_cache, gguf_path,
+                                                                            monkeypatch):
+    import core.loaders.gguf_reader as gguf_reader
+
+    key = gguf_tokenizer_key(gguf_path)
+    shutil.copytree(tok_cache / key, tmp_path / key)
+    assert Tokenizer.from_pretrained(gguf_path, cache_dir=tmp_path).from_cache  # remembers the key
+
+    def no_header(*_):
+        raise AssertionError("the GGUF header was read again")
+
+    monkeypatch.setattr(gguf_reader, "read_gguf_header", no_header)
+    assert Tokenizer.from_pretrained(gguf_path, cache_dir=tmp_path).from_cache

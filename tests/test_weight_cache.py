@@ -3,6 +3,8 @@ is detected by its checksum or key and rebuilt, never used."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -56,3 +58,29 @@ def test_a_corrupt_or_stale_cache_file_is_rebuilt_not_used(checkpoint, tmp_path)
     assert not other.weights_from_cache
     cached.write_bytes(b"not a safetensors file")
     assert not load_model(directory, dtype="float32", precision="w8a8", weights_cache=tmp_path).weights_from_cache
+
+
+def test_a_checkpoint_files_hash_is_remembered_until_the_file_changes(tmp_path):
+    import hashlib
+    import os
+
+    from core.file_memo import MEMO_FILE
+    from core.weight_cache import checkpoint_identity
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights v1")
+    memo = tmp_path / "cache"
+    first = checkpoint_identity(model, memo)
+    assert first == hashlib.sha256(b"weights v1").hexdigest() and (memo / MEMO_FILE).exists()
+    # The remembered hash is what a restart uses: proven by a memo entry no hash of the file could give.
+    data = json.loads((memo / MEMO_FILE).read_text())
+    data[f"sha256:{model.resolve()}"]["value"] = "remembered"
+    (memo / MEMO_FILE).write_text(json.dumps(data))
+    assert checkpoint_identity(model, memo) == "remembered"
+    # A rewritten file (same size, even with its old modification time) is hashed again.
+    stat = model.stat()
+    model.write_bytes(b"weights v2")
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert checkpoint_identity(model, memo) == hashlib.sha256(b"weights v2").hexdigest()
+    (memo / MEMO_FILE).write_text("not json")  # a damaged memo: the file is hashed again
+    assert checkpoint_identity(model, memo) == hashlib.sha256(b"weights v2").hexdigest()
