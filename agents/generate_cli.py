@@ -61,8 +61,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from agents.service import RuntimeOptions, build_runtime
 
     specs = _prompt_specs(args)
-    options = RuntimeOptions(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, precision=args.precision,
-                             num_slots=args.slots, max_len=args.max_len, compile_cache=args.compile_cache,
+    given = {"model": args.model, "num_slots": args.slots, "max_len": args.max_len}
+    options = RuntimeOptions(**{k: v for k, v in given.items() if v is not None}, dtype=args.dtype,
+                             kv_dtype=args.kv_dtype, precision=args.precision, compile_cache=args.compile_cache,
                              background_compile=False)  # a batch wants every program before it starts
     runtime = build_runtime(options, _stderr_progress)
     try:

@@ -16,21 +16,20 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agents.chat_template import ChatTemplate, PromptTooLongError, RenderedPrompt
 from agents.messages import normalize_messages
 from agents.spec import AgentSpec
 from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
 from agents.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
+from core.engine import ROWS_VERIFY_WIDTH, EngineConfig
 from core.sampling import SamplingParams
+from scheduler.grammar import COMPILE_TIMEOUT_S, DEFAULT_BACKEND, MAX_SCHEMA_BYTES, GrammarCompiler
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
-
-if TYPE_CHECKING:
-    from scheduler.grammar import GrammarCompiler
+from scheduler.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +60,26 @@ class RuntimeOptions:
     dtype: str | None = None  # None: chosen per device
     kv_dtype: str | None = None  # "int8", a float dtype or "compute"; None: chosen (core.device.choose_kv_dtype)
     precision: str | None = None  # "float" | "w8a8"; None: chosen per device (core.device.choose_precision)
-    num_slots: int = 8
-    max_len: int = 8192
-    chunk_sizes: tuple[int, ...] = (32, 128, 512)
+    # Each default below is the one its owner states (the engine's, the scheduler's, the grammar compiler's);
+    # the server's config and the CLI take theirs from here.
+    num_slots: int = EngineConfig.num_slots
+    max_len: int = EngineConfig.max_len
+    chunk_sizes: tuple[int, ...] = EngineConfig.chunk_sizes
     compile_cache: str | None = None  # directory; None: the default cache dir; "off": disabled
-    # Ready once the samplers and the smallest attention bucket's prefill, decode and slot-copy programs are
-    # compiled; the rest compile on a thread (core.engine.Engine.warmup).
+    # Ready once what a short first request runs is compiled; the rest compile on a thread
+    # (core.engine.Engine.warmup).
     background_compile: bool = True
-    prefill_budget: int | None = None
-    max_waiting: int = 256
-    prefix_caching: bool = True
-    speculative: bool = True
-    host_tier_bytes: int = 2 * 2**30
-    grammar_backend: str = "llguidance"
-    grammar_compile_timeout_s: float = 10.0
-    max_schema_bytes: int = 256_000
+    prefill_budget: int | None = SchedulerConfig.prefill_budget
+    max_waiting: int = SchedulerConfig.max_waiting
+    prefix_caching: bool = SchedulerConfig.prefix_caching
+    speculative: bool = SchedulerConfig.speculative
+    # Several greedy streams verify their drafts in one batched pass (EngineConfig.rows_verify_width): off
+    # unless asked for, since its exactness depends on the CPU (docs/design-notes.md).
+    batched_speculation: bool = False
+    host_tier_bytes: int = SchedulerConfig.host_tier_bytes
+    grammar_backend: str = DEFAULT_BACKEND
+    grammar_compile_timeout_s: float = COMPILE_TIMEOUT_S
+    max_schema_bytes: int = MAX_SCHEMA_BYTES
 
 
 @dataclass
@@ -85,7 +89,7 @@ class Runtime:
     engine: Any  # core.engine.Engine
     scheduler: Any  # scheduler.scheduler.Scheduler
     tokenizer: Any  # core.tokenizer.Tokenizer
-    compiler: Any  # scheduler.grammar.GrammarCompiler
+    compiler: GrammarCompiler
     template: ChatTemplate
     model_name: str
     dtype: str
@@ -156,7 +160,7 @@ def assemble_runtime(
 ) -> Runtime:
     """Grammar compiler (built here unless given) + scheduler + chat template around an already warm
     engine."""
-    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.scheduler import Scheduler
 
     options = options or RuntimeOptions()
     if compiler is None:
@@ -184,13 +188,16 @@ def assemble_runtime(
     )
 
 
-def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int) -> GrammarCompiler:
-    """The grammar compiler with its tokenizer bridge built (the slow part: a pass over the vocabulary)."""
-    from scheduler.grammar import GrammarCompiler
-
+def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *,
+                     bridge_now: bool = True) -> GrammarCompiler:
+    """The grammar compiler with its tokenizer bridge (the slow part: a pass over the vocabulary) built, or
+    being built on its own worker unless ``bridge_now``."""
     compiler = GrammarCompiler(tokenizer, options.grammar_backend, compile_timeout_s=options.grammar_compile_timeout_s,
                                max_schema_bytes=options.max_schema_bytes, vocab_size=vocab_size)
-    compiler.warm_up()
+    if bridge_now:
+        compiler.warm_up()
+    else:
+        compiler.warm_up_in_background()
     return compiler
 
 
@@ -215,7 +222,8 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
     kv_dtype, kv_reason = choose_kv_dtype(options.kv_dtype, model.precision)
     engine = Engine(model.cfg, model.params,
                     EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
-                                 chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype),
+                                 chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
+                                 rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0),
                     model.dtype)
     if progress:
         progress("allocate the KV pool", detail=(
@@ -223,15 +231,15 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
             f"{engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
             f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
             f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})"))
-    # The grammar tokenizer bridge is built on a thread while the programs compile.
-    with ThreadPoolExecutor(1, thread_name_prefix="slotserve-grammar") as pool:
-        compiler_future = pool.submit(grammar_compiler, model.tokenizer, options, model.cfg.vocab_size)
-        engine.warmup((lambda name, done, total: progress("compile the step programs", done, total,
-                                                          f"{total} programs" if done == total else name))
-                      if progress else None, background=options.background_compile)
-        if progress and not compiler_future.done():
-            progress("build the grammar tokenizer bridge")
-        compiler = compiler_future.result()
+    engine.warmup((lambda name, done, total: progress("compile the step programs", done, total,
+                                                      f"{total} programs" if done == total else name))
+                  if progress else None, background=options.background_compile)
+    # The grammar tokenizer bridge is seconds of work holding the GIL: with a background warm-up it is built
+    # after ready, like the larger programs (a constrained request meanwhile waits for it).
+    if progress and not options.background_compile:
+        progress("build the grammar tokenizer bridge")
+    compiler = grammar_compiler(model.tokenizer, options, model.cfg.vocab_size,
+                                bridge_now=not options.background_compile)
     return assemble_runtime(engine, model.tokenizer, options, compiler=compiler, model_name=str(options.model),
                             dtype_reason=model.dtype_reason, precision=model.precision,
                             precision_reason=model.precision_reason, kv_dtype_reason=kv_reason,
@@ -310,6 +318,7 @@ class SessionNotFoundError(LookupError):
 # A session's turn claim (and a request's Idempotency-Key claim) lapses this long after its last renewal, so a
 # crashed server frees them; renewed every third of it while the turn runs.
 LEASE_S = 30.0
+DEFAULT_MAX_TOKENS = 256  # generated tokens when neither the request nor the agent sets max_tokens
 
 
 class SessionBusyError(RuntimeError):
@@ -489,7 +498,7 @@ class ChatService:
         runtime: Runtime,
         store: Store,
         *,
-        default_max_tokens: int = 256,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_tokens_limit: int | None = None,
         max_prompt_tokens: int | None = None,
         session_ttl: float | None = None,

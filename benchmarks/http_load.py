@@ -471,6 +471,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override the config's KV cache dtype (int8 | compute | float32 ...; default: by device)")
     p.add_argument("--speculative", choices=("on", "off"), default=None,
                    help="override scheduler.speculative (default: the config's, on for precision float)")
+    p.add_argument("--batched-speculation", choices=("on", "off"), default=None,
+                   help="override scheduler.batched_speculation (default: the config's, off)")
     p.add_argument("--uvicorn-http", default="auto", choices=("auto", "h11", "httptools"),
                    help="uvicorn's HTTP implementation (auto: httptools when installed, as `slotserve serve`)")
     p.add_argument("--uvicorn-loop", default="auto", choices=("auto", "asyncio", "uvloop"),
@@ -559,13 +561,16 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         overrides["model.kv_dtype"] = args.kv_dtype
     if args.speculative:
         overrides["scheduler.speculative"] = args.speculative == "on"
+    if args.batched_speculation:
+        overrides["scheduler.batched_speculation"] = args.batched_speculation == "on"
     config = load_config(args.config, overrides)
     configure_logging("warning", True)
     record["config"] = {"file": args.config or "configs/default.yaml", "overrides": overrides,
                         "runtime_options": {k: (list(v) if isinstance(v, tuple) else v)
                                             for k, v in vars(config.runtime_options()).items()}}
     begin = time.perf_counter()
-    runtime = build_runtime(config.runtime_options(), progress=log)
+    runtime = build_runtime(config.runtime_options(),
+                            progress=lambda stage, done=None, total=None, detail="": log(f"{stage} {detail}"))
     runtime.start()
     record["runtime"] = {**runtime.info(), "dtype_reason": runtime.dtype_reason,
                          "precision_reason": runtime.precision_reason,

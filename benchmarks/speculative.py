@@ -130,14 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     from agents.chat_template import ChatTemplate
     from core.compile_cache import enable_compile_cache
     from core.device import choose_kv_dtype
-    from core.engine import Engine, EngineConfig
+    from core.engine import ROWS_VERIFY_WIDTH, Engine, EngineConfig
     from core.runtime import load_model
 
     enable_compile_cache()
     model = load_model(args.model, dtype="float32", precision=args.precision)
     kv_dtype, _ = choose_kv_dtype(args.kv_dtype, model.precision)
+    # The batched verify pass is what --together measures (and checks exact on this host): compiled here.
     engine = Engine(model.cfg, model.params, EngineConfig(num_slots=args.slots, max_len=args.max_len,
-                                                          kv_dtype=kv_dtype), model.dtype)
+                                                          kv_dtype=kv_dtype, rows_verify_width=ROWS_VERIFY_WIDTH),
+                    model.dtype)
     engine.warmup()
     template = ChatTemplate(model.tokenizer)
     result: dict[str, Any] = {"model": args.model, "precision": model.precision, "kv_dtype": kv_dtype or "compute",

@@ -35,6 +35,8 @@ OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows")
 # Programs compiled at once during warm-up: tracing holds the GIL while XLA's compiler and the compilation
 # cache's loading do not, so two threads overlap one program's tracing with another's compile or load.
 COMPILE_THREADS = 2
+# The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
+ROWS_VERIFY_WIDTH = 3
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,11 @@ class EngineConfig:
     # costs about one step); 0: no verify program.
     verify_width: int | None = None
     # Batched speculative verification: every slot checks its last token plus up to width-1 drafted ones in one
-    # pass ([num_slots, width] rows). Its rows equal decode steps bit for bit only where every product is exact
-    # whatever the row count (`Engine.rows_verify_exact`: W8A8 weights and int8 KV), so it is used only then.
-    # 0 or 1: no program.
-    rows_verify_width: int = 3
+    # pass ([num_slots, width] rows; ROWS_VERIFY_WIDTH when asked for). Its rows must equal decode steps bit
+    # for bit, which needs every product exact whatever the row count (`Engine.rows_verify_exact`: W8A8
+    # weights and int8 KV) and XLA's float kernels computing a row alike in both shapes, which holds on some
+    # CPUs and not on others (docs/design-notes.md), so it is opt-in. 0 or 1: no program.
+    rows_verify_width: int = 0
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:

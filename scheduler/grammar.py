@@ -43,6 +43,11 @@ from scheduler.grammar_llguidance import (
 from scheduler.grammar_outlines import OutlinesCoreBackend, OutlinesMatcher
 from scheduler.grammar_spec import ConstraintSpec, GrammarBusyError, UnsupportedConstraintError
 
+# What the compiler does unless told otherwise (the server's config and the runtime read these).
+DEFAULT_BACKEND = "llguidance"
+COMPILE_TIMEOUT_S = 10.0  # a schema still compiling after this is refused as too complex
+MAX_SCHEMA_BYTES = 256_000  # larger constraints are refused before compiling
+
 __all__ = [
     "CompiledGrammar",
     "ConstraintSpec",
@@ -83,9 +88,9 @@ class GrammarCompiler:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        backend: str = "llguidance",
-        compile_timeout_s: float = 10.0,
-        max_schema_bytes: int = 256_000,
+        backend: str = DEFAULT_BACKEND,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        max_schema_bytes: int = MAX_SCHEMA_BYTES,
         cache_size: int = 256,
         *,
         vocab_size: int | None = None,
@@ -121,6 +126,11 @@ class GrammarCompiler:
     def warm_up(self) -> None:
         """Build the tokenizer bridge now (seconds, once per process and tokenizer); call at start-up."""
         self._backend.warm_up()
+
+    def warm_up_in_background(self) -> Future[None]:
+        """Build the tokenizer bridge on a compile worker; a compile submitted meanwhile waits for it (its
+        time counts against that compile's timeout)."""
+        return self._pool.submit(self._backend.warm_up)
 
     def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
         """The compiled grammar for ``spec`` (blocking); raises UnsupportedConstraintError."""

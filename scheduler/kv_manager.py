@@ -29,8 +29,8 @@ from scheduler.slots import Slot, common_prefix
 
 @dataclass(frozen=True)
 class CacheConfig:
-    prefix_caching: bool = True
-    host_tier_bytes: int = 2 * 2**30
+    prefix_caching: bool = True  # reuse a prompt's longest cached prefix (in a slot, another slot, the host)
+    host_tier_bytes: int = 2 * 2**30  # host memory for evicted conversations and system-prompt prefixes
     min_snapshot_tokens: int = 16  # runs shorter than this are cheaper to recompute than to keep on the host
     min_wait_tokens: int = 32  # wait for an in-flight prefix only when it saves at least this many tokens
 

@@ -70,14 +70,15 @@ IDLE_POLL_S = 0.05  # how long an idle engine loop blocks on its inbox before ch
 class SchedulerConfig:
     prefill_budget: int | None = None  # prefill tokens per iteration; None: the engine's largest chunk
     max_waiting: int = 256  # bounded admission queue; beyond it submit() raises QueueFullError
-    prefix_caching: bool = True
-    host_tier_bytes: int = 2 * 2**30
-    min_snapshot_tokens: int = 16  # contexts shorter than this are cheaper to recompute than to store
-    min_wait_tokens: int = 32  # wait for another request's in-flight prefill only when it saves this many tokens
+    # The prefix cache's knobs (scheduler.kv_manager.CacheConfig, where each is explained).
+    prefix_caching: bool = CacheConfig.prefix_caching
+    host_tier_bytes: int = CacheConfig.host_tier_bytes
+    min_snapshot_tokens: int = CacheConfig.min_snapshot_tokens
+    min_wait_tokens: int = CacheConfig.min_wait_tokens
     # A lone plain-greedy stream runs prompt-lookup speculative steps (engine.verify) instead of decode steps:
     # same tokens, often several per step (scheduler/speculation.py). Several plain-greedy streams share a
-    # batched verify step (engine.verify_rows, where the engine's products are exact) when their drafts
-    # promise more tokens per second than a decode step.
+    # batched verify step (engine.verify_rows, where the engine has that program and its products are exact)
+    # when their drafts promise more tokens per second than a decode step.
     speculative: bool = True
 
 

@@ -8,10 +8,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agents.service import LEASE_S, RuntimeOptions
+from agents.service import DEFAULT_MAX_TOKENS, LEASE_S, RuntimeOptions
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+# The runtime's defaults (each stated once, by the part that owns it); the sections below take theirs from here.
+RUNTIME = RuntimeOptions()
 
 
 class _Section(BaseModel):
@@ -19,16 +23,16 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    name: str = "default"  # "default", an HF checkpoint directory or a .gguf file
+    name: str = RUNTIME.model  # "default", an HF checkpoint directory or a .gguf file
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: chosen per device
     # None: chosen per device (int8 on CPU with W8A8, else the compute dtype); "compute" forces the latter
     kv_dtype: Literal["compute", "int8", "float32", "bfloat16", "float16"] | None = None
     precision: Literal["float", "f32", "w8a8"] | None = None  # None: chosen per device
-    slots: int = Field(8, ge=1)
-    max_len: int = Field(8192, ge=16)
-    chunk_sizes: list[int] = Field(default_factory=lambda: [32, 128, 512], min_length=1)
+    slots: int = Field(RUNTIME.num_slots, ge=1)
+    max_len: int = Field(RUNTIME.max_len, ge=16)
+    chunk_sizes: list[int] = Field(default_factory=lambda: list(RUNTIME.chunk_sizes), min_length=1)
     compile_cache: str | None = None  # directory; None: ~/.cache/slotserve/xla; "off": disabled
-    background_compile: bool = True  # ready once a short request's programs are compiled; the rest meanwhile
+    background_compile: bool = RUNTIME.background_compile  # ready once a short request's programs are compiled
 
     @field_validator("chunk_sizes")
     @classmethod
@@ -39,17 +43,18 @@ class ModelSection(_Section):
 
 
 class SchedulerSection(_Section):
-    prefill_budget: int | None = Field(None, ge=1)
-    max_waiting: int = Field(256, ge=1)
-    prefix_caching: bool = True
-    speculative: bool = True  # prompt-lookup speculative steps for a lone plain-greedy stream (same tokens)
-    host_tier_bytes: int = Field(2 * 2**30, ge=0)
+    prefill_budget: int | None = Field(RUNTIME.prefill_budget, ge=1)
+    max_waiting: int = Field(RUNTIME.max_waiting, ge=1)
+    prefix_caching: bool = RUNTIME.prefix_caching
+    speculative: bool = RUNTIME.speculative  # prompt-lookup speculation for plain-greedy streams (same tokens)
+    batched_speculation: bool = RUNTIME.batched_speculation  # greedy streams verify drafts in one pass
+    host_tier_bytes: int = Field(RUNTIME.host_tier_bytes, ge=0)
 
 
 class GrammarSection(_Section):
-    backend: Literal["llguidance", "outlines-core"] = "llguidance"
-    compile_timeout_s: float = Field(10.0, gt=0)
-    max_schema_bytes: int = Field(256_000, ge=1)
+    backend: Literal["llguidance", "outlines-core"] = RUNTIME.grammar_backend  # type: ignore[assignment]
+    compile_timeout_s: float = Field(RUNTIME.grammar_compile_timeout_s, gt=0)
+    max_schema_bytes: int = Field(RUNTIME.max_schema_bytes, ge=1)
 
 
 class AuthSection(_Section):
@@ -60,7 +65,7 @@ class AuthSection(_Section):
 class LimitsSection(_Section):
     max_body_bytes: int = Field(1_048_576, ge=1024)  # larger request bodies: 413
     max_prompt_tokens: int | None = Field(None, ge=1)  # besides each agent's context_limit and the slot length
-    default_max_tokens: int = Field(256, ge=1)  # when neither the request nor the agent sets max_tokens
+    default_max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)  # when neither the request nor the agent sets max_tokens
     max_tokens: int | None = Field(None, ge=1)  # cap on generated tokens per request (None: the slot length)
 
 
@@ -114,6 +119,7 @@ class ServerConfig(_Section):
             chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache,
             background_compile=m.background_compile, prefill_budget=s.prefill_budget,
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
+            batched_speculation=s.batched_speculation,
             host_tier_bytes=s.host_tier_bytes,
             grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,
             max_schema_bytes=g.max_schema_bytes,

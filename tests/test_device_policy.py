@@ -156,3 +156,32 @@ def test_server_config_and_cli_take_the_kv_dtype():
         load_config(overrides={"model.kv_dtype": "int4"})
     args = argparse.Namespace(host=None, port=None, redis_url=None, model=None, precision=None, kv_dtype="int8")
     assert config_overrides(args) == {"model.kv_dtype": "int8"}
+
+
+def test_every_default_is_stated_once_and_the_documented_yaml_matches_it():
+    from agents.service import RuntimeOptions
+    from core.engine import EngineConfig
+    from scheduler.grammar import GrammarCompiler
+    from scheduler.kv_manager import CacheConfig
+    from scheduler.scheduler import SchedulerConfig
+    from server.config import DEFAULT_CONFIG, ServerConfig, load_config
+
+    # configs/default.yaml documents the defaults: it must say exactly what the code does without it.
+    assert load_config(DEFAULT_CONFIG) == ServerConfig()
+    options, engine, scheduler, cache = RuntimeOptions(), EngineConfig(), SchedulerConfig(), CacheConfig()
+    assert ServerConfig().runtime_options() == options
+    assert (options.num_slots, options.max_len, options.chunk_sizes) == (
+        engine.num_slots, engine.max_len, engine.chunk_sizes)
+    assert (options.max_waiting, options.prefix_caching, options.host_tier_bytes, options.speculative) == (
+        scheduler.max_waiting, cache.prefix_caching, cache.host_tier_bytes, scheduler.speculative)
+    compiler = GrammarCompiler.__init__.__defaults__
+    assert (options.grammar_backend, options.grammar_compile_timeout_s, options.max_schema_bytes) == compiler[:3]
+
+
+def test_generate_cli_takes_the_runtime_defaults_unless_given():
+    from server.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert (args.model, args.slots, args.max_len) == (None, None, None)  # RuntimeOptions fills them
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--slots", "2", "--max-len", "64"])
+    assert (args.slots, args.max_len) == (2, 64)

@@ -142,6 +142,22 @@ def test_padded_model_vocabulary(tokenizer, compiler):
         padded.close()
 
 
+def test_a_schema_compiled_while_the_bridge_builds_in_the_background_waits_for_it(tokenizer, compiler):
+    """The server builds the bridge after /ready: a constrained request meanwhile gets the same grammar."""
+    later = GrammarCompiler(tokenizer, vocab_size=tokenizer.vocab_size + 32)  # a size no bridge exists for yet
+    try:
+        building = later.warm_up_in_background()
+        spec = ConstraintSpec.regex("[a-z ]+")
+        matcher = later.matcher(later.compile(spec))  # submitted while the bridge is (likely) still building
+        assert building.result(timeout=60) is None
+        mask = np.zeros((1, (later.vocab_size + 31) // 32), np.uint32)
+        fill_masks([(matcher, 0)], mask)
+        bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little").astype(bool)
+        assert (bits[: tokenizer.vocab_size] == mask_after(compiler, spec, [])).all()
+    finally:
+        later.close()
+
+
 # --------------------------------------------------------------------------------------------------
 # kinds and masks
 # --------------------------------------------------------------------------------------------------

@@ -290,7 +290,7 @@ def exact_engine(engine):
     from core.weights import to_w8a8
 
     eng = Engine(engine.cfg, to_w8a8(engine.params), EngineConfig(num_slots=8, max_len=160, chunk_sizes=(4, 16),
-                                                                   kv_dtype="int8"), "float32")
+                                                                   kv_dtype="int8", rows_verify_width=3), "float32")
     eng.warmup()
     return eng
 
