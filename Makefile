@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: help install install-test serve generate test test-fast lint bench clean redis-server
+.PHONY: help install install-test serve generate test test-fast lint bench clean redis-server haproxy chromium
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -29,7 +29,13 @@ serve: install  ## install, then serve the default model and agents (OpenAI API 
 redis-server:  # the Redis integration tests start their own real redis-server on a free port
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
-test: install-test redis-server  ## install, then run lint and the whole test suite (slow tests included)
+haproxy:  # tests/test_cluster.py puts HAProxy (and vllm-router, from its own venv) in front of two replicas
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || (apt-get update -qq && apt-get install -y -qq haproxy)
+
+chromium:  # tests/test_dashboard.py opens the dashboard in a real headless Chromium
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+
+test: install-test redis-server haproxy chromium  ## install, then run lint and the whole test suite (slow tests included)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 

@@ -1,6 +1,6 @@
 """The HTTP app: configuration, start-up (the model loads on a background thread, so /health answers at
 once and /ready reports progress), request ids and body limits, logging, and the operations routes
-(``/health``, ``/ready``, ``/metrics``). The APIs live in their own modules, each a translation onto the
+(``/health``, ``/ready``, ``/get_load``, ``/metrics``). The APIs live in their own modules, each a translation onto the
 one turn pipeline of `server.turns`:
 
 * `server.openai_api`: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``model`` names the
@@ -19,6 +19,7 @@ import contextvars
 import json
 import logging
 import re
+import socket
 import sys
 import threading
 import time
@@ -68,12 +69,25 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body exceeds {limit} bytes")
 
 
-class RequestContext:
-    """Pure ASGI (streaming-safe): X-Request-Id echo, body size limit (413), one access log line."""
+REPLICA_HEADER = b"x-slotserve-replica"
 
-    def __init__(self, app, max_body_bytes: int) -> None:
+
+class RequestContext:
+    """Pure ASGI (streaming-safe): X-Request-Id echo, X-Slotserve-Replica (which replica answered, behind a
+    router), body size limit (413), one access log line."""
+
+    def __init__(self, app, max_body_bytes: int, replica_name: str | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.replica_name = replica_name.encode() if replica_name else None
+        self.hostname = socket.gethostname()
+
+    def replica(self, scope) -> bytes:
+        """The configured name, else hostname:port (the port this request came in on)."""
+        if self.replica_name is not None:
+            return self.replica_name
+        server = scope.get("server") or (None, None)
+        return f"{self.hostname}:{server[1]}".encode("latin-1", "replace")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -87,11 +101,13 @@ class RequestContext:
         begin = time.perf_counter()
         status = {"code": 0}
         limit = self.max_body_bytes
+        replica = self.replica(scope)
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode()),
+                                      (REPLICA_HEADER, replica)]
             await send(message)
 
         try:
@@ -118,7 +134,7 @@ class RequestContext:
 
             await self.app(scope, limited_receive, send_with_id)
         finally:
-            if scope.get("path") not in ("/health", "/metrics", "/ready"):
+            if scope.get("path") not in ("/health", "/metrics", "/ready", "/get_load"):
                 log.info("http", extra={"event": {
                     "method": scope.get("method"), "path": scope.get("path"), "status": status["code"],
                     "duration_ms": round((time.perf_counter() - begin) * 1e3, 2)}})
@@ -305,6 +321,14 @@ def _add_routes(app: FastAPI) -> None:
                           status)
         body.update(status=status, detail=where["stage"], progress=where)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
+
+    @app.get("/get_load", tags=["operations"])
+    async def get_load(request: Request) -> JSONResponse:
+        """What a router balancing on load reads (vllm-router: ``load``): requests waiting plus running."""
+        runtime = state_of(request).runtime
+        waiting = runtime.scheduler.waiting if runtime is not None else 0
+        running = runtime.scheduler.running if runtime is not None else 0
+        return JSONResponse({"load": waiting + running, "waiting": waiting, "running": running})
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:

@@ -1,4 +1,4 @@
-"""The `slotserve` command: serve, generate, tokenize.
+"""The `slotserve` command: serve, cluster, generate, tokenize.
 
 Heavy imports happen inside each command so that `configure_environment()` runs before JAX loads.
 """
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate continuations for one or more prompts on the slot engine")
-    gen.add_argument("--model", default="default", help="'default', an HF checkpoint directory or a .gguf file")
+    gen.add_argument("--model", default=None, help="'default', an HF checkpoint directory or a .gguf file")
     gen.add_argument("--prompt", action="append", default=[], help="prompt text (BOS added); repeatable")
     gen.add_argument("--prompt-ids", action="append", default=[], type=_parse_ids,
                      help="comma-separated token ids fed exactly as given; repeatable")
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-dtype", default=None, choices=("compute", "int8", "float32", "bfloat16", "float16"),
                        help="override the config's KV cache dtype (default: by device and precision)")
 
+    _cluster_args(sub)
+
     tok = sub.add_parser("tokenize", help="print the token ids of a text (no special tokens added)")
     tok.add_argument("--model", default="default")
     tok.add_argument("--text", required=True)
@@ -61,9 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cluster_args(sub) -> None:
+    cluster = sub.add_parser("cluster", help="N `serve` replicas sharing one Redis behind a router, on this machine "
+                                             "(docs/scale-out.md)")
+    cluster.add_argument("--replicas", type=int, default=2, help="how many replicas (default 2)")
+    cluster.add_argument("--router", default="vllm-router", choices=("vllm-router", "haproxy"),
+                         help="vllm-router (sticky_least_loaded; installed under .cache/venvs if not on PATH) or "
+                              "haproxy (from PATH)")
+    cluster.add_argument("--host", default="127.0.0.1", help="the router's bind address")
+    cluster.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
+    cluster.add_argument("--redis-url", default=None, help="a shared Redis (default: start a private redis-server)")
+    cluster.add_argument("--config", default=None, help="YAML config for every replica")
+    cluster.add_argument("--model", default=None, help="override the config's model")
+    cluster.add_argument("--precision", default=None, choices=("float", "f32", "w8a8"))
+    cluster.add_argument("--kv-dtype", default=None, choices=("compute", "int8", "float32", "bfloat16", "float16"))
+    cluster.add_argument("--workdir", default=None, help="logs and router config (default: a new temp directory)")
+
+
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--slots", type=int, default=8, help="KV slots (concurrent sequences)")
-    parser.add_argument("--max-len", type=int, default=8192, help="positions per slot")
+    # None: the runtime's default (agents.service.RuntimeOptions), read once JAX may load.
+    parser.add_argument("--slots", type=int, default=None, help="KV slots (concurrent sequences; default 8)")
+    parser.add_argument("--max-len", type=int, default=None, help="positions per slot (default 8192)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: by device)")
     parser.add_argument("--kv-dtype", default=None, choices=("compute", "int8", "float32", "bfloat16", "float16"),
                         help="KV cache dtype (default: as the server chooses per device)")
@@ -92,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from server.run import run_serve
 
             return run_serve(args)
+        if args.command == "cluster":
+            from server.cluster import run_cluster
+
+            return run_cluster(args)
         if args.command == "tokenize":
             from agents.generate_cli import run_tokenize
 

@@ -86,6 +86,8 @@ class ServerSection(_Section):
     graceful_shutdown_s: float = Field(30.0, ge=0)  # in-flight streams get this long, then are ended
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = True
+    # X-Slotserve-Replica on every response (which replica behind a router answered); None: hostname:port
+    replica_name: str | None = Field(None, pattern=r"^[\x21-\x7e]{1,128}$")
 
 
 class ServerConfig(_Section):

@@ -1,12 +1,17 @@
 """OpenAI request bodies as pydantic models.
 
 Every model forbids unknown fields, so a parameter slotserve does not implement (``audio``,
-``functions``, ``prediction``, ``echo``, a typo...) is answered with HTTP 400 naming it instead of
+``functions``, ``prediction``, a typo...) is answered with HTTP 400 naming it instead of
 being silently ignored. Known parameters with values we cannot honour (``n`` > 1, ``modalities``
 other than text) are refused by `unsupported_values`.
 
 Extensions (not in OpenAI's API): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``session_id``, ``cache_salt`` (as vLLM's).
+
+A router in front of several replicas (vllm-router) re-serialises chat and completion bodies and adds
+SGLang's fields at its defaults (``no_stop_trim: false``, ``skip_special_tokens: true``, ...): `ROUTER_FIELDS`
+accepts each at the value that means what slotserve does anyway, and refuses any other value with a 400
+naming it.
 """
 
 from __future__ import annotations
@@ -168,6 +173,10 @@ class _Sampling(_Strict):
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024,
                                             description="extension (vLLM's older spelling)")
     guided_json: dict[str, Any] | bool | None = Field(None, description="extension (vLLM's older spelling)")
+    # Added by a router (vllm-router, SGLang's fields): accepted only at these values (see ROUTER_FIELDS).
+    no_stop_trim: bool | None = Field(None, description="router field: only false (stop strings are trimmed)")
+    skip_special_tokens: bool | None = Field(None, description="router field: only true (no special tokens in text)")
+    return_hidden_states: bool | None = Field(None, description="router field: only false")
 
     def output_format(self) -> dict[str, Any] | None:
         """The requested output constraint as a response_format-shaped dict (regex and choice are internal
@@ -250,12 +259,18 @@ class ChatCompletionRequest(_Sampling):
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description="extension (as the Responses API's): over the context, drop the oldest turns (auto) or "
                           "refuse with 400 (disabled); default: the agent's")
+    # Added by a router (vllm-router, SGLang's fields): accepted only at these values (see ROUTER_FIELDS).
+    continue_final_message: bool | None = Field(None, description="router field: only false")
+    separate_reasoning: bool | None = Field(None, description="router field: only true (nothing reasons here)")
+    stream_reasoning: bool | None = Field(None, description="router field: only true (nothing reasons here)")
+    include_reasoning: bool | None = Field(None, description="router field: only true (nothing reasons here)")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(description="text, a list of one text, or token ids")
     logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = Field(None, description="extension: constrain the completion")
+    echo: bool | None = Field(None, description="only false: the prompt is not echoed")
 
     @field_validator("prompt")
     @classmethod
@@ -269,8 +284,33 @@ class CompletionRequest(_Sampling):
         return value
 
 
+# Fields a router adds to every body it forwards (vllm-router fills in SGLang's defaults), with the one value
+# that means what slotserve does: any other value asks for a behaviour slotserve does not have.
+ROUTER_FIELDS: dict[str, tuple[bool, str]] = {
+    "no_stop_trim": (False, "a matched stop string is always trimmed from the output"),
+    "skip_special_tokens": (True, "special tokens are never part of the output text"),
+    "return_hidden_states": (False, "hidden states are not returned"),
+    "continue_final_message": (False, "a final assistant message is never continued: the answer is a new turn"),
+    "separate_reasoning": (True, "the served models do not reason before answering"),
+    "stream_reasoning": (True, "the served models do not reason before answering"),
+    "include_reasoning": (True, "the served models do not reason before answering"),
+    "echo": (False, "the prompt is not echoed"),
+}
+
+
+def router_field_problem(body: _Sampling) -> tuple[str, str, str] | None:
+    for name, (accepted, meaning) in ROUTER_FIELDS.items():
+        value = getattr(body, name, None)
+        if value is not None and value != accepted:
+            return (name, f"{name}: {str(value).lower()} is not supported; only {str(accepted).lower()} is "
+                    f"accepted ({meaning})", "unsupported_parameter")
+    return None
+
+
 def request_problem(body: _Sampling) -> tuple[str, str, str] | None:
     """(param, message, code) for a request that passed the schema but cannot be served as asked."""
+    if (problem := router_field_problem(body)) is not None:
+        return problem
     if body.n is not None and body.n != 1:
         return "n", "n > 1 is not supported: one choice per request", "unsupported_parameter"
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
