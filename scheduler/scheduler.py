@@ -47,6 +47,7 @@ from scheduler.request import (
 )
 from scheduler.sequence import SeqState, Sequence
 from scheduler.slots import Slot
+from scheduler.snapshot import SchedulerSnapshot, SnapshotPublisher
 from scheduler.speculation import speculation_allowed
 from scheduler.stop_strings import StopMatcher
 
@@ -135,6 +136,8 @@ class Scheduler:
         self.mask_fills: deque[tuple[float, int]] = deque(maxlen=MASK_FILLS_KEPT)
         self.failure: str | None = None  # why the engine loop died, once it has
         self.on_failure: Callable[[str], None] | None = None  # called on the engine thread after it died
+        # The live slot snapshot (scheduler/snapshot.py): published by the engine thread a few times a second.
+        self.snapshots = SnapshotPublisher()
 
     @property
     def slots(self) -> list[Slot]:
@@ -143,6 +146,11 @@ class Scheduler:
     @property
     def host(self) -> HostTier:
         return self.kv.host
+
+    @property
+    def snapshot(self) -> SchedulerSnapshot | None:
+        """The latest published slot snapshot (any thread; never locks the engine)."""
+        return self.snapshots.latest
 
     def counters(self) -> dict[str, int]:
         """Every counter: the scheduler's and the KV-cache manager's reuse counts."""
@@ -210,6 +218,7 @@ class Scheduler:
                     try:
                         self._inbox_to_waiting(self._inbox.get(timeout=IDLE_POLL_S))
                     except queue.Empty:
+                        self.snapshots.when_idle(self)
                         continue
                 self.step()
         except BaseException as e:  # noqa: BLE001 - the loop is dead: say why, end every stream, tell the owner
@@ -243,6 +252,7 @@ class Scheduler:
         outbox, self._outbox = self._outbox, {}
         for handle, events in outbox.items():
             handle._deliver(events)
+        self.snapshots.after_step(self, plan)
 
     def _emit(self, seq: Sequence, event: Event) -> None:
         self._outbox.setdefault(seq.handle, []).append(event)

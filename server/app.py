@@ -41,6 +41,7 @@ from server.admin_api import router as admin_router
 from server.anthropic_api import router as anthropic_router
 from server.auth import Auth
 from server.config import ServerConfig
+from server.dashboard import router as dashboard_router
 from server.errors import NOT_READY_RETRY_AFTER_S, APIError, error_body, install_error_handlers, is_anthropic_path
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
@@ -217,13 +218,15 @@ def create_app(
                   description="OpenAI-compatible multi-agent serving of one resident Gemma model.")
     app.state.slotserve = state
     install_error_handlers(app)
-    app.add_middleware(RequestContext, max_body_bytes=config.limits.max_body_bytes)
+    app.add_middleware(RequestContext, max_body_bytes=config.limits.max_body_bytes,
+                       replica_name=config.server.replica_name)
     _add_routes(app)
     app.include_router(openai_router)
     app.include_router(anthropic_router)
     app.include_router(responses_router)
     app.include_router(sessions_router)
     app.include_router(admin_router)
+    app.include_router(dashboard_router)
     return app
 
 

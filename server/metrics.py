@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,37 @@ class _SchedulerCollector(Collector):
             yield c
 
 
+class RecentWindow:
+    """A latency over the last ``seconds``, per second (count, sum, max): a ring of bins, O(1) per observation.
+    Fed and read on the event loop only (the dashboard's TTFT and inter-token plots)."""
+
+    def __init__(self, seconds: int = 60) -> None:
+        self.seconds = seconds
+        self._bins = [[-1, 0, 0.0, 0.0] for _ in range(seconds)]  # [second, count, sum, max]
+
+    def observe(self, value: float, now: float | None = None) -> None:
+        second = int(time.time() if now is None else now)
+        b = self._bins[second % self.seconds]
+        if b[0] != second:
+            b[0], b[1], b[2], b[3] = second, 0, 0.0, 0.0
+        b[1] += 1
+        b[2] += value
+        if value > b[3]:
+            b[3] = value
+
+    def series(self, now: float | None = None) -> list[dict[str, float]]:
+        """The seconds of the window that saw observations, oldest first: t (unix second), n, mean, max."""
+        second = int(time.time() if now is None else now)
+        live = sorted(b for b in self._bins if b[1] and second - self.seconds < b[0] <= second)
+        return [{"t": b[0], "n": b[1], "mean": round(b[2] / b[1], 6), "max": round(b[3], 6)} for b in live]
+
+    def summary(self, now: float | None = None) -> dict[str, float]:
+        points = self.series(now)
+        n = sum(p["n"] for p in points)
+        mean = sum(p["mean"] * p["n"] for p in points) / n if n else 0.0
+        return {"count": n, "mean": round(mean, 6), "max": max((p["max"] for p in points), default=0.0)}
+
+
 class Metrics:
     def __init__(self, runtime: Callable[[], Any], ready: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry()
@@ -101,6 +133,8 @@ class Metrics:
                                      ["agent"], buckets=_TOKEN_BUCKETS, registry=r)
         self.duration = Histogram("slotserve_request_duration_seconds", "time from request to the last token",
                                   ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.recent_ttft = RecentWindow()  # the last minute, for the dashboard (server/dashboard.py)
+        self.recent_inter_token = RecentWindow()
         self.model_info = Info("slotserve_model", "the resident model, its precision and KV pool", registry=r)
         r.register(_SchedulerCollector(runtime, ready))
 

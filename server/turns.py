@@ -51,8 +51,10 @@ class Tracker:
         now = time.perf_counter()
         if self.last is None:
             self.m.ttft.labels(self.agent).observe(now - self.begin)
+            self.m.recent_ttft.observe(now - self.begin)
         else:
             self.m.inter_token.labels(self.agent).observe(now - self.last)
+            self.m.recent_inter_token.observe(now - self.last)
         self.last = now
 
     def done(self, fin: FinishEvent | None, status: int, finish_reason: str | None = None) -> None:
