@@ -61,7 +61,7 @@ def choose_dtype(override: str | None = None) -> tuple[str, str]:
         return "bfloat16", f"GPU compute capability {capability or 'unknown'} has native bfloat16"
     if device.platform == "tpu":
         return "bfloat16", "TPU"
-    return _measure_cpu_dtype()
+    return _remembered_cpu_dtype()
 
 
 def choose_precision(override: str | None = None) -> tuple[str, str]:
@@ -100,6 +100,52 @@ def choose_kv_dtype(override: str | None, precision: str) -> tuple[str | None, s
     if platform == "cpu" and precision == "w8a8":
         return "int8", "CPU with W8A8: int8 KV is ~0.87x the decode step, within the quality gates"
     return None, "the compute dtype"
+
+
+CPU_DTYPE_MEMO = "cpu-dtype.json"  # the last measurement's result, with the host it was taken on
+
+
+def _remembered_cpu_dtype() -> tuple[str, str]:
+    """`_measure_cpu_dtype`'s answer for this host, measured once and kept in the cache directory (the
+    measurement compiles and runs two programs: most of a second of every start otherwise)."""
+    import json
+
+    path, host = default_cache_dir() / CPU_DTYPE_MEMO, _host_fingerprint()
+    try:
+        saved = json.loads(path.read_text())
+        if saved["host"] == host and saved["dtype"] in VALID_DTYPES:
+            return saved["dtype"], f"{saved['reason']}, remembered"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    dtype, reason = _measure_cpu_dtype()
+    tmp = path.with_name(f"{CPU_DTYPE_MEMO}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"host": host, "dtype": dtype, "reason": reason}))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: measured on every start
+        log.warning("CPU dtype measurement not kept: %s", e)
+        tmp.unlink(missing_ok=True)
+    return dtype, reason
+
+
+def _host_fingerprint() -> str:
+    """What the measurement depends on: the CPU (model and instruction sets), core count, jax and jaxlib."""
+    import hashlib
+    import platform
+
+    import jax
+    import jaxlib
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = "".join(line for line in f.read().split("\n\n")[0].splitlines(keepends=True)
+                          if line.startswith(("model name", "flags", "vendor_id")))
+    except OSError:
+        cpu = platform.processor()
+    text = f"{cpu}|{os.cpu_count()}|{platform.machine()}|{jax.__version__}|{jaxlib.__version__}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _measure_cpu_dtype() -> tuple[str, str]:

@@ -20,11 +20,25 @@ def test_explicit_override_wins_and_is_validated(monkeypatch):
         choose_dtype("int3")
 
 
-def test_cpu_choice_is_measured(monkeypatch):
+def test_cpu_choice_is_measured_once_per_host(monkeypatch, tmp_path):
+    import core.device as device
+
     monkeypatch.delenv("SLOTSERVE_DTYPE", raising=False)
+    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path))
     dtype, reason = choose_dtype()
     assert dtype in ("float32", "bfloat16")
     assert "CPU measurement" in reason and "float32" in reason and "bfloat16" in reason
+    assert not reason.endswith("remembered")
+    memo = json.loads((tmp_path / device.CPU_DTYPE_MEMO).read_text())
+    assert memo["dtype"] == dtype
+    # A restart on the same host takes the answer without measuring (a measurement would fail here).
+    monkeypatch.setattr(device, "_measure_cpu_dtype", lambda: pytest.fail("measured again"))
+    assert choose_dtype() == (dtype, f"{reason}, remembered")
+    # Another host (or jax version) measures again: here, the memo says another host chose the other dtype.
+    other = "bfloat16" if dtype == "float32" else "float32"
+    (tmp_path / device.CPU_DTYPE_MEMO).write_text(json.dumps({**memo, "host": "another", "dtype": other}))
+    monkeypatch.setattr(device, "_measure_cpu_dtype", lambda: (dtype, "CPU measurement (again)"))
+    assert choose_dtype() == (dtype, "CPU measurement (again)")
 
 
 def xla_environment(**extra: str) -> dict[str, str | None]:
