@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
-import os
 import zlib
 from pathlib import Path
 
 from core.device import default_cache_dir
+from core.json_file import read_json_dict, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def enable_compile_cache(directory: Path | None = None) -> Path:
 def drop_damaged_entries(path: Path) -> list[str]:
     """Delete every entry whose bytes differ from those recorded, or that is new and does not decompress;
     record the new good ones. Returns the names deleted."""
-    recorded = _read_manifest(path)
+    recorded = read_json_dict(path / MANIFEST)
     kept: dict[str, str] = {}
     dropped: list[str] = []
     for entry in sorted(path.glob(f"*{ENTRY_SUFFIX}")):
@@ -60,7 +59,7 @@ def drop_damaged_entries(path: Path) -> list[str]:
             entry.unlink(missing_ok=True)
             dropped.append(entry.name)
     if kept != recorded:
-        _write_manifest(path, kept)
+        write_json_atomic(path / MANIFEST, kept)  # read-only: entries are decompressed every start
     return dropped
 
 
@@ -78,21 +77,3 @@ def _decompresses(data: bytes) -> bool:
     except Exception:  # zstandard.ZstdError, zlib.error: any failure means the entry cannot be used
         return False
     return True
-
-
-def _read_manifest(path: Path) -> dict[str, str]:
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
-
-
-def _write_manifest(path: Path, manifest: dict[str, str]) -> None:
-    tmp = path / f"{MANIFEST}.tmp{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps(manifest, indent=0, sort_keys=True))
-        os.replace(tmp, path / MANIFEST)
-    except OSError as e:  # a read-only cache: entries are checked by decompressing them every start
-        log.warning("XLA cache manifest not written: %s", e)
-        tmp.unlink(missing_ok=True)

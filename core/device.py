@@ -108,24 +108,14 @@ CPU_DTYPE_MEMO = "cpu-dtype.json"  # the last measurement's result, with the hos
 def _remembered_cpu_dtype() -> tuple[str, str]:
     """`_measure_cpu_dtype`'s answer for this host, measured once and kept in the cache directory (the
     measurement compiles and runs two programs: most of a second of every start otherwise)."""
-    import json
+    from core.json_file import read_json_dict, write_json_atomic
 
     path, host = default_cache_dir() / CPU_DTYPE_MEMO, _host_fingerprint()
-    try:
-        saved = json.loads(path.read_text())
-        if saved["host"] == host and saved["dtype"] in VALID_DTYPES:
-            return saved["dtype"], f"{saved['reason']}, remembered"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    saved = read_json_dict(path)
+    if saved.get("host") == host and saved.get("dtype") in VALID_DTYPES:
+        return saved["dtype"], f"{saved.get('reason', 'CPU measurement')}, remembered"
     dtype, reason = _measure_cpu_dtype()
-    tmp = path.with_name(f"{CPU_DTYPE_MEMO}.tmp{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"host": host, "dtype": dtype, "reason": reason}))
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache: measured on every start
-        log.warning("CPU dtype measurement not kept: %s", e)
-        tmp.unlink(missing_ok=True)
+    write_json_atomic(path, {"host": host, "dtype": dtype, "reason": reason})
     return dtype, reason
 
 

@@ -10,14 +10,10 @@ only means computing again.
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-log = logging.getLogger(__name__)
+from core.json_file import read_json_dict, write_json_atomic
 
 MEMO_FILE = "file-memo.json"  # "<kind>:<resolved path>" -> {"stats": [...], "value": str}
 
@@ -28,35 +24,16 @@ def remembered(path: Path, kind: str, compute: Callable[[], str], memo_dir: Path
     if memo_dir is None:
         return compute()
     entry, stats = f"{kind}:{path.resolve()}", file_stats(path)
-    memo = _read(memo_dir)
+    memo = read_json_dict(memo_dir / MEMO_FILE)
     known = memo.get(entry)
     if isinstance(known, dict) and known.get("stats") == stats and isinstance(known.get("value"), str):
         return known["value"]
     value = compute()
     memo[entry] = {"stats": stats, "value": value}
-    _write(memo_dir, memo)
+    write_json_atomic(memo_dir / MEMO_FILE, memo)
     return value
 
 
 def file_stats(path: Path) -> list[int]:
     stat = path.stat()
     return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
-
-
-def _read(memo_dir: Path) -> dict[str, Any]:
-    try:
-        memo = json.loads((memo_dir / MEMO_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return memo if isinstance(memo, dict) else {}
-
-
-def _write(memo_dir: Path, memo: dict[str, Any]) -> None:
-    tmp = memo_dir / f"{MEMO_FILE}.tmp{os.getpid()}"
-    try:
-        memo_dir.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(memo, indent=0, sort_keys=True))
-        os.replace(tmp, memo_dir / MEMO_FILE)
-    except OSError as e:  # a read-only cache: computed again on every start
-        log.warning("file memo at %s not written: %s", memo_dir, e)
-        tmp.unlink(missing_ok=True)

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_server_helpers import LiveServer, free_port, server_config, tiny_runtime, wait_until
+from test_server_crash import ServerProcess
+from test_server_helpers import LiveServer, server_config, tiny_runtime, wait_until
 
 from scheduler.plan import StepPlan, StepRow
 from scheduler.request import GenerationRequest, RequestHandle
@@ -25,7 +23,6 @@ from scheduler.snapshot import SnapshotPublisher, take_snapshot
 from server.app import create_app
 
 ADMIN = "dash-admin-secret"
-TINY_SERVER = Path(__file__).resolve().parent / "tiny_server.py"
 WORDS = ["alpha", "beta", "gamma", "delta", "slot", "cache", "token", "agent", "model", "queue", "host", "tier",
          "prefix", "decode", "verify"]
 
@@ -275,36 +272,6 @@ def test_the_stream_sends_documents_and_stops_when_the_client_leaves(auth_server
 # ---- the page in a real browser ------------------------------------------------------------------------
 
 
-class ServerProcess:
-    """tests/tiny_server.py in a process of its own (what `slotserve serve` runs), auth on, slowed steps."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(TINY_SERVER), "--port", str(self.port), "--redis-url", "memory://",
-             "--decode-delay-s", "0.1", "--admin-key", ADMIN], stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until(self._ready, timeout=240, interval=0.2)
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"the server exited with {self.proc.returncode}; see {self.log.name}")
-        try:
-            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 STATES = "JSON.stringify([...document.querySelectorAll('.slot')].map((e) => e.dataset.state))"
 
 
@@ -312,7 +279,8 @@ STATES = "JSON.stringify([...document.querySelectorAll('.slot')].map((e) => e.da
 def test_the_page_in_headless_chromium_shows_every_slot_and_its_changes(tmp_path):
     from headless_chromium import Chromium
 
-    server = ServerProcess(tmp_path / "server.log")
+    server = ServerProcess(tmp_path / "server.log", "--redis-url", "memory://", "--decode-delay-s", "0.1",
+                           "--admin-key", ADMIN)
     try:
         with Chromium(tmp_path) as browser:
             # without the key the page asks for it

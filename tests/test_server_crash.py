@@ -21,14 +21,15 @@ BASE = "/agents/assistant/v1"
 
 
 class ServerProcess:
-    def __init__(self, redis_url: str, prefix: str, log: Path) -> None:
+    """tests/tiny_server.py in a process of its own (what `slotserve serve` runs), ready when constructed.
+    ``args``: the script's options besides --port (--redis-url is required)."""
+
+    def __init__(self, log: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(TINY_SERVER), "--port", str(self.port), "--redis-url", redis_url, "--prefix",
-             prefix, "--lease-s", str(LEASE_S), "--decode-delay-s", "0.05"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([sys.executable, str(TINY_SERVER), "--port", str(self.port), *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
         wait_until(self._ready, timeout=240, interval=0.2)
 
     def _ready(self) -> bool:
@@ -43,6 +44,21 @@ class ServerProcess:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         self.log.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def crash_server(redis_url: str, log: Path) -> ServerProcess:
+    """A replica on the shared Redis whose holds lapse after LEASE_S, with slowed steps (mid-stream kills)."""
+    return ServerProcess(log, "--redis-url", redis_url, "--prefix", "crash:", "--lease-s", str(LEASE_S),
+                         "--decode-delay-s", "0.05")
 
 
 @pytest.fixture
@@ -67,7 +83,7 @@ def stored(url: str, sid: str) -> list[dict]:
 
 def test_kill_9_mid_stream_loses_no_committed_turn_and_commits_the_retry_once(redis, tmp_path):
     log = tmp_path / "servers.log"
-    first = ServerProcess(redis.url, "crash:", log)
+    first = crash_server(redis.url, log)
     try:
         one = turn(first.url, "s", "turn-1", "First question")
         assert one.status_code == 200, one.text
@@ -84,7 +100,7 @@ def test_kill_9_mid_stream_loses_no_committed_turn_and_commits_the_retry_once(re
         if first.proc.poll() is None:
             first.kill()
 
-    second = ServerProcess(redis.url, "crash:", log)
+    second = crash_server(redis.url, log)
     try:
         reply_1 = one.json()["choices"][0]["message"]["content"]
         assert stored(second.url, "s") == [{"role": "user", "content": "First question"},

@@ -1,0 +1,36 @@
+"""Small JSON files the caches keep beside their entries (a manifest, a memo): read leniently, replaced
+atomically, so a crash or a damaged file costs only recomputing what it remembered."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def read_json_dict(path: Path) -> dict[str, Any]:
+    """The JSON object stored at ``path``; {} when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> bool:
+    """Replace ``path`` with ``data`` through a temporary file; False (and a log line) when it cannot be
+    written, e.g. a read-only cache."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("%s not written: %s", path, e)
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
