@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,9 @@ async def stream_chat(client: Any, url: str, body: dict[str, Any], headers: dict
     return out
 
 
-async def run_workload(server: dict[str, Any], work: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+async def run_workload(server: dict[str, Any], work: dict[str, Any], args: argparse.Namespace,
+                       headers: Callable[[dict[str, Any]], dict[str, str]] | None = None) -> dict[str, Any]:
+    """``headers``: extra request headers per session spec (scale_out.py: X-Session-Id, for sticky routing)."""
     import httpx
 
     gate = asyncio.Semaphore(args.concurrency)
@@ -129,7 +132,8 @@ async def run_workload(server: dict[str, Any], work: dict[str, Any], args: argpa
                         "max_tokens": args.max_tokens, "temperature": 0.7, "seed": 1000 * index + turn,
                         "stream": True, "stream_options": {"include_usage": True}}
                 prompts.append(list(history))
-                got = await stream_chat(client, server["chat_url"](spec["agent"]), body, {})
+                got = await stream_chat(client, server["chat_url"](spec["agent"]), body,
+                                        headers(spec) if headers else {})
                 records.append({"session": spec["session"], "agent": spec["agent"], "turn": turn,
                                 **{k: got[k] for k in ("ttft_s", "latency_s", "usage", "timings", "error")}})
                 history.append({"role": "assistant", "content": got["text"]})

@@ -1,15 +1,25 @@
 #!/usr/bin/env python3
-"""One replica vs two behind the router (`slotserve cluster`): aggregate completion tokens/s and TTFT p90.
+"""One replica vs two behind the router (`slotserve cluster`): aggregate completion tokens/s and TTFT p50/p90.
 
-    .venv/bin/python benchmarks/scale_out.py --router vllm-router [--config my.yaml] [--replicas 1 2]
+    .venv/bin/python benchmarks/scale_out.py --router vllm-router [--replicas 1 2] [--agents 4 --sessions 8 ...]
     .venv/bin/python benchmarks/scale_out.py --tiny        # the tests' tiny random model: checks the script
 
-Workload: S sessions (X-Session-Id), each running T turns one after another (only the new user message is
-sent: the server keeps the history), at most C sessions in flight; every turn streams max_tokens tokens with
-ignore_eos, so every replica count generates the same number of tokens. For each replica count a fresh
-cluster (its own redis-server, N replicas, the router) is started, warmed with one request per replica, then
-measured. Not run in CI: on a 2-core CPU machine two replicas share the cores, so expect no gain there; the
-figure that matters comes from one accelerator per replica.
+Workload (default `--workload agents`): the multi-agent workload of benchmarks/agents_http.py (its
+`build_workload` / `run_workload`): A agents, each with a long system prompt that the client sends as a
+system message; S sessions over the agents, each running T turns one after another and resending the whole
+history; temperature 0.7 with a seed per (session, turn); at most C sessions in flight. Every request also
+carries `X-Session-Id: <session>`, so the router keeps a session on one replica (the server matches the
+resent history against its stored session). The replicas run `slotserve serve` on the config agents_http.py
+generates (one agent per workload agent, C slots; --config replaces it, and must then define agent0..).
+`--workload sessions`: the older workload, S sessions of T turns sending only the new user message (the
+server keeps the history), max_tokens tokens a turn with ignore_eos.
+
+For each replica count a fresh cluster (its own redis-server, N replicas, the router) is started, every
+replica's programs compiled, warmed (agents: one turn per replica on other system prompts), then measured:
+wall time, completion tokens/s, TTFT p50/p90, errors and, from each replica's /metrics, the scheduler's
+counters (prefill tokens computed, prefix-cache hits, ...) over the measured workload. Not run in CI: on a
+2-core CPU machine two replicas share the cores, so expect no gain there; the figure that matters comes from
+one accelerator per replica.
 
 Writes benchmarks/results/scale-out-<router>.json (or --out).
 """
@@ -31,18 +41,25 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import agents_http  # noqa: E402
+from http_load import git_commit, percentile  # noqa: E402
 
 from server.cluster import Cluster, free_port  # noqa: E402
 
 TINY_SERVER = REPO / "tests" / "tiny_server.py"
 
 
-def replica_command(args: argparse.Namespace):
+def replica_command(args: argparse.Namespace, config: str | None = None):
+    """``config``: the YAML for `slotserve serve` (--config wins; None: the default config)."""
     def command(port: int, redis_url: str) -> list[str]:
         if args.tiny:
             return [sys.executable, str(TINY_SERVER), "--port", str(port), "--redis-url", redis_url]
-        extra = ["--config", args.config] if args.config else []
+        chosen = args.config or config
+        extra = ["--config", chosen] if chosen else []
         return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--redis-url", redis_url, *extra]
 
@@ -90,6 +107,8 @@ async def workload(url: str, args: argparse.Namespace, tag: str) -> dict[str, An
 
 
 def measure(replicas: int, args: argparse.Namespace) -> dict[str, Any]:
+    if args.workload == "agents":
+        return measure_agents(replicas, args)
     workdir = Path(tempfile.mkdtemp(prefix=f"scale-out-{replicas}-"))
     cluster = Cluster(replicas, replica_command(args), workdir, router=args.router, port=free_port()).start()
     try:
@@ -102,29 +121,98 @@ def measure(replicas: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"replicas": replicas, **result}
 
 
+def counters(urls: list[str]) -> list[dict[str, float]]:
+    return [agents_http.scheduler_counters(url) for url in urls]
+
+
+def measure_agents(replicas: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The agents_http workload through the router, sticky by X-Session-Id."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"scale-out-{replicas}-"))
+    work = agents_http.build_workload(args)
+    config = None if args.tiny else str(agents_http.ours(args, work, workdir)["command"][-1])
+    cluster = Cluster(replicas, replica_command(args, config), workdir, router=args.router, port=free_port())
+    cluster.start()
+    server = {"chat_url": lambda agent: f"{cluster.url}/v1/chat/completions",
+              "model": (lambda agent: "assistant") if args.tiny else (lambda agent: agent)}
+    try:
+        for replica in cluster.members:  # background compiles would share the cores with the workload
+            agents_http.wait_healthy(replica.url, replica.process.proc, replica.process.log_path, "/ready",
+                                     args.timeout, every_program=True)
+        warm_args = argparse.Namespace(**{**vars(args), "sessions": replicas, "turns": 1, "seed": args.seed + 1})
+        warm = asyncio.run(agents_http.run_workload(server, agents_http.build_workload(warm_args), warm_args,
+                                                    headers=lambda spec: {"X-Session-Id": f"warm-{spec['session']}"}))
+        urls = [replica.url for replica in cluster.members]
+        before = counters(urls)
+        run = asyncio.run(agents_http.run_workload(server, work, args,
+                                                   headers=lambda spec: {"X-Session-Id": f"run-{spec['session']}"}))
+        after = counters(urls)
+    finally:
+        cluster.stop()
+    per_replica = [{k: int(a[k] - b.get(k, 0)) for k in a if a[k] != b.get(k, 0)}
+                   for a, b in zip(after, before, strict=True)]
+    total: dict[str, int] = {}
+    for delta in per_replica:
+        for k, v in delta.items():
+            total[k] = total.get(k, 0) + v
+    records = run["records"]
+    ok = [r for r in records if not r["error"]]
+    ttfts = sorted(r["ttft_s"] for r in ok if r["ttft_s"] is not None)
+    prompt = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
+    completion = sum(r["usage"]["completion_tokens"] for r in ok if r["usage"])
+    cached = sum(((r["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for r in ok)
+    result = {
+        "replicas": replicas, "requests": len(records), "errors": len(records) - len(ok),
+        "error_samples": [r["error"] for r in records if r["error"]][:3],
+        "warm_up_errors": sum(1 for r in warm["records"] if r["error"]),
+        "wall_s": round(run["wall_s"], 3), "prompt_tokens": prompt, "cached_tokens_reported": cached,
+        "hit_ratio": round(cached / prompt, 4) if prompt else None,
+        "completion_tokens": completion, "tokens_per_s": round(completion / run["wall_s"], 2),
+        **{f"ttft_p{q}_s": round(percentile(ttfts, q / 100), 4) if ttfts else None for q in (50, 90)},
+        "scheduler_counters": total, "scheduler_counters_per_replica": per_replica,
+    }
+    print(f"{replicas} replica(s): { {k: v for k, v in result.items() if 'per_replica' not in k} }",
+          file=sys.stderr, flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--router", default="vllm-router", choices=("vllm-router", "haproxy"))
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--config", default=None, help="YAML config for `slotserve serve`")
+    parser.add_argument("--config", default=None, help="YAML config for `slotserve serve` (default: agents: the "
+                                                       "config agents_http.py generates; sessions: the default)")
     parser.add_argument("--tiny", action="store_true", help="replicas on the tests' tiny model (tests/tiny_server.py)")
+    parser.add_argument("--workload", default="agents", choices=("agents", "sessions"),
+                        help="agents: agents_http.py's (full history resent); sessions: server-side history")
+    parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8, help="sessions in flight (and slots per replica)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--system-words", type=int, default=None, help="default 1150 (--tiny: 60)")
+    parser.add_argument("--user-words", type=int, default=None, help="default 25 (--tiny: 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.system_words is None:
+        args.system_words = 60 if args.tiny else 1150
+    if args.user_words is None:
+        args.user_words = 8 if args.tiny else 25
     name = f"scale-out-{args.router}{'-tiny' if args.tiny else ''}.json"
     out = Path(args.out or REPO / "benchmarks" / "results" / name)
+    keys = ("sessions", "turns", "concurrency", "max_tokens")
+    if args.workload == "agents":
+        keys = ("agents", *keys, "system_words", "user_words", "seed")
     report = {"benchmark": "scale_out", "router": args.router, "tiny": args.tiny,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "machine": platform.machine(), "workload": {k: getattr(args, k) for k in
-                                                           ("sessions", "turns", "concurrency", "max_tokens")},
+              "commit": git_commit(), "host": agents_http.host(), "argv": sys.argv[1:],
+              "machine": platform.machine(),
+              "workload": {"kind": args.workload, **{k: getattr(args, k) for k in keys}},
               "runs": [measure(n, args) for n in args.replicas]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-
 
 if __name__ == "__main__":
     main()
