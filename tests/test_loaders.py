@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import gguf
@@ -21,7 +22,7 @@ from core.loaders import (
     check_tensors,
     open_checkpoint,
 )
-from core.loaders.gguf_reader import read_gguf_header
+from core.loaders.gguf_reader import SkippedStrings, read_gguf_header
 from core.loaders.safetensors_source import detect_prefix
 
 # A two-layer toy text model in canonical names: enough to cover embeddings, norms, linears and scalars.
@@ -507,6 +508,24 @@ def test_header_reader_matches_stock_reader_on_tiny_file(tmp_path: Path) -> None
         assert a.shape == tuple(int(d) for d in b.shape)
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
         np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_header_reader_can_step_over_string_arrays(tmp_path: Path) -> None:
+    """The model loader's read leaves out the vocabulary's strings and nothing else."""
+    write_gguf(tmp_path / "tiny.gguf", vocab=5000)
+    full, lean = read_gguf_header(tmp_path / "tiny.gguf"), read_gguf_header(tmp_path / "tiny.gguf", string_arrays=False)
+    assert lean.spans == full.spans and lean.tensors[0].data_offset == full.tensors[0].data_offset
+    skipped = {key for key, value in lean.metadata.items() if isinstance(value, SkippedStrings)}
+    assert "tokenizer.ggml.tokens" in skipped
+    for key, value in full.metadata.items():
+        if key in skipped:
+            assert lean.metadata[key] == SkippedStrings(len(value)) and all(isinstance(v, str) for v in value)
+        else:
+            assert lean.metadata[key] == value, key
+    path = tmp_path / "cut.gguf"  # a vocabulary cut short is still an unreadable file, not a silent skip
+    path.write_bytes((tmp_path / "tiny.gguf").read_bytes()[:full.spans["tokenizer.ggml.tokens"][1] - 10])
+    with pytest.raises((ValueError, struct.error)):
+        read_gguf_header(path, string_arrays=False)
 
 
 # ---------------------------------------------------------------------------------------------------------

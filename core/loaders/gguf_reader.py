@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-__all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header"]
+__all__ = ["GGUFHeader", "GGUFTensor", "SkippedStrings", "read_gguf_header"]
 
 # gguf.GGUFValueType ids -> struct formats for the fixed-size scalar types.
 _SCALAR_FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -52,6 +52,13 @@ class GGUFTensor:
 
 
 @dataclass(frozen=True)
+class SkippedStrings:
+    """The value of a string array not read (``read_gguf_header(..., string_arrays=False)``): its length."""
+
+    count: int
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     """metadata: key -> value (str, int, float, bool, or a list of those), in file order; spans: key -> the
     (start, end) byte range of its whole entry in the file (key, type and value); tensors in file order."""
@@ -61,9 +68,11 @@ class GGUFHeader:
     tensors: list[GGUFTensor]
 
 
-def read_gguf_header(path: str | Path) -> GGUFHeader:
+def read_gguf_header(path: str | Path, string_arrays: bool = True) -> GGUFHeader:
     """The metadata and tensor directory of the GGUF file at `path`; ValueError (or struct.error, on a file
-    cut short inside its header) when it is not a readable GGUF."""
+    cut short inside its header) when it is not a readable GGUF. ``string_arrays=False``: arrays of strings
+    (the vocabulary, the merges) are stepped over and stand as `SkippedStrings`, for a reader that needs
+    the model's keys and tensors only (decoding 262k strings is most of the header's time)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
@@ -78,7 +87,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             start = off
             key, off = _read_str(buf, off)
             (vtype,) = struct.unpack_from("<I", buf, off)
-            metadata[key], off = _read_value(buf, off + 4, vtype)
+            metadata[key], off = _read_value(buf, off + 4, vtype, string_arrays)
             spans[key] = (start, off)
         directory = []
         for _ in range(n_tensors):
@@ -125,7 +134,7 @@ def _read_str(buf: mmap.mmap, off: int) -> tuple[str, int]:
     return buf[off : off + n].decode("utf-8", "surrogateescape"), off + n
 
 
-def _read_value(buf: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
+def _read_value(buf: mmap.mmap, off: int, vtype: int, string_arrays: bool = True) -> tuple[Any, int]:
     if vtype == _STRING:
         return _read_str(buf, off)
     if vtype in _SCALAR_FMT:
@@ -138,6 +147,12 @@ def _read_value(buf: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
     if itype in _SCALAR_FMT:  # one bulk unpack instead of `count` calls
         fmt = f"<{count}{_SCALAR_FMT[itype]}"
         return list(struct.unpack_from(fmt, buf, off)), off + struct.calcsize(fmt)
+    if itype == _STRING and not string_arrays:
+        for _ in range(count):
+            off += 8 + struct.unpack_from("<Q", buf, off)[0]
+        if off > len(buf):
+            raise ValueError("a string array runs past the end of the file")
+        return SkippedStrings(count), off
     items = []
     for _ in range(count):
         item, off = _read_value(buf, off, itype)

@@ -73,7 +73,7 @@ class GGUFSource:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         try:
-            header = read_gguf_header(self.path)
+            header = read_gguf_header(self.path, string_arrays=False)  # the tokenizer reads the vocabulary
         except Exception as exc:  # bad magic, truncation and bad values surface as assorted exception types
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({exc})") from exc
         arch = field(header.metadata, "general.architecture")
