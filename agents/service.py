@@ -206,14 +206,17 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
     from core.compile_cache import enable_compile_cache
     from core.device import choose_kv_dtype, default_cache_dir
     from core.engine import Engine, EngineConfig
+    from core.program_store import ProgramStore
     from core.runtime import load_model
 
     if options.compile_cache != "off":
         enable_compile_cache(options.compile_cache)
     if progress:
         progress("load the model", detail=str(options.model))
-    # Prepared weights are cached beside the compiled programs ("off" turns both caches off).
-    weights_cache = None if options.compile_cache == "off" else default_cache_dir() / "weights"
+    # Prepared weights and exported programs are cached beside the compiled programs ("off": none of them).
+    caching = options.compile_cache != "off"
+    weights_cache = default_cache_dir() / "weights" if caching else None
+    program_store = ProgramStore(default_cache_dir() / "programs") if caching else None
     model = load_model(options.model, dtype=options.dtype, precision=options.precision,
                        progress=(lambda done, total: progress("load the model", done, total, str(options.model)))
                        if progress else None, weights_cache=weights_cache)
@@ -224,7 +227,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
                     EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
                                  chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
                                  rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0),
-                    model.dtype)
+                    model.dtype, program_store)
     if progress:
         progress("allocate the KV pool", detail=(
             f"{engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: {kv_reason}), "

@@ -24,6 +24,7 @@ import numpy as np
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
 from core.model import decode_step, prefill_chunk, verify_chunk
+from core.program_store import ProgramStore
 from core.programs import Program, ProgramKey, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
 from core.weights import all_matmuls_integer
@@ -113,8 +114,11 @@ class SlotSnapshot:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: dict[str, Any], config: EngineConfig, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, params: dict[str, Any], config: EngineConfig, dtype: str,
+                 program_store: ProgramStore | None = None) -> None:
+        """``program_store``: where exported programs are read back from and kept (`core.program_store`)."""
         self.cfg = cfg
+        self.program_store = program_store
         self.params = params
         self.config = config
         self.dtype = dtype
@@ -149,40 +153,43 @@ class Engine:
     def _build_programs(self, model: dict[str, Any]) -> dict[ProgramKey, Program]:
         """Every compiled step, keyed by kind and the sizes that fix its shapes; `model` holds the cfg and
         ring_width every model step is called with."""
-        def jit(fn: Callable[..., Any], donate: int | None = 1, **static: Any) -> Callable[..., Any]:
-            return jax.jit(partial(fn, **static), donate_argnums=() if donate is None else (donate,))
+        def jit(name: str, fn: Callable[..., Any], donate: int | None = 1, **static: Any) -> Program:
+            donated = () if donate is None else (donate,)
+            identity = f"{fn.__module__}.{fn.__qualname__}{sorted(static.items())!r}{donated}"
+            return Program(name, jax.jit(partial(fn, **static), donate_argnums=donated), donated, identity,
+                           self.program_store)
 
         rows, width, verify = self.num_slots, self.config.rows_verify_width, self.config.verify_tokens
-        table: dict[ProgramKey, tuple[str, Callable[..., Any]]] = {}
+        table: dict[ProgramKey, Program] = {}
         for attend in self.buckets:
             # Prefill attends over the bucket covering the slot's positions once its chunk is written, so a
             # chunk near the start of a slot does not pay for attention over max_len masked positions.
             for size in self.config.chunk_sizes:
-                table["prefill", size, attend] = (f"prefill chunk {size} (attends {attend})",
-                                                  jit(_prefill_step, attend=attend, **model))
-            table["decode", attend] = (f"decode step (attends {attend})", jit(_decode_step, attend=attend, **model))
-            table["prefill_rows", attend] = (f"batched prefill {rows} x {self.row_chunk} (attends {attend})",
-                                             jit(_prefill_rows_step, attend=attend, **model))
+                table["prefill", size, attend] = jit(f"prefill chunk {size} (attends {attend})", _prefill_step,
+                                                     attend=attend, **model)
+            table["decode", attend] = jit(f"decode step (attends {attend})", _decode_step, attend=attend, **model)
+            table["prefill_rows", attend] = jit(f"batched prefill {rows} x {self.row_chunk} (attends {attend})",
+                                                _prefill_rows_step, attend=attend, **model)
             if verify > 1:
-                table["verify", attend] = (f"speculative verify (attends {attend})",
-                                           jit(_verify_step, attend=attend, **model))
+                table["verify", attend] = jit(f"speculative verify (attends {attend})", _verify_step,
+                                              attend=attend, **model)
             if self.rows_verify_exact:
-                table["verify_rows", attend] = (f"batched speculative verify {rows} x {width} (attends {attend})",
-                                                jit(_verify_rows_step, attend=attend, **model))
+                table["verify_rows", attend] = jit(f"batched speculative verify {rows} x {width} (attends {attend})",
+                                                   _verify_rows_step, attend=attend, **model)
             # Slot ranges move to and from the host, or between slots, in bucket-sized pieces (static shapes).
-            table["read", attend] = (f"slot save ({attend} positions)", jit(_read_range, None, size=attend))
-            table["write", attend] = (f"slot restore ({attend} positions)", jit(_write_range, 0))
-            table["copy", attend] = (f"slot copy ({attend} positions)", jit(_copy_prefix, 0, size=attend))
+            table["read", attend] = jit(f"slot save ({attend} positions)", _read_range, None, size=attend)
+            table["write", attend] = jit(f"slot restore ({attend} positions)", _write_range, 0)
+            table["copy", attend] = jit(f"slot copy ({attend} positions)", _copy_prefix, 0, size=attend)
         # Top logprobs are always computed at the maximum width (a blocked top-20 costs ~1% of a decode
         # step) so that a request's `top_logprobs` never selects another compiled program.
         for needs_full in (False, True):
             for masked in (False, True):
-                table["sample", needs_full, masked] = (
-                    f"sampler{' full' if needs_full else ''}{' masked' if masked else ''}",
-                    jit(sample, num_top=MAX_LOGPROBS, needs_full=needs_full))
+                table["sample", needs_full, masked] = jit(
+                    f"sampler{' full' if needs_full else ''}{' masked' if masked else ''}", sample,
+                    num_top=MAX_LOGPROBS, needs_full=needs_full)
         for masked in (False, True):
-            table["sample_row", masked] = (f"first-token sampler{' masked' if masked else ''}", jit(_sample_row))
-        return {key: Program(name, fn) for key, (name, fn) in table.items()}
+            table["sample_row", masked] = jit(f"first-token sampler{' masked' if masked else ''}", _sample_row)
+        return table
 
     def _example_args(self, key: ProgramKey) -> tuple[Any, ...]:
         """The abstract arguments program `key` is compiled for: the shapes its call site passes."""
@@ -278,11 +285,13 @@ class Engine:
         return program is not None and program.ready
 
     def program_counts(self) -> dict[str, int]:
-        """How many programs exist, are compiled, and came from the XLA compilation cache (one pass, so the
-        counts agree with each other while a background warm-up runs)."""
-        ready = [p for p in self.programs.values() if p.ready]  # a ready program's from_cache is final
+        """How many programs exist, are compiled, came from the XLA compilation cache and had their exported
+        module read back from the program store (one pass, so the counts agree with each other while a
+        background warm-up runs)."""
+        ready = [p for p in self.programs.values() if p.ready]  # a ready program's from_* flags are final
         return {"total": len(self.programs), "compiled": len(ready),
-                "from_compile_cache": sum(p.from_cache for p in ready)}
+                "from_compile_cache": sum(p.from_cache for p in ready),
+                "from_program_store": sum(p.from_store for p in ready)}
 
     # ---- prefill / decode --------------------------------------------------------------------
     def plan_chunks(self, n: int) -> list[int]:

@@ -1,11 +1,12 @@
-"""Small JSON files the caches keep beside their entries (a manifest, a memo): read leniently, replaced
-atomically, so a crash or a damaged file costs only recomputing what it remembered."""
+"""Small files the caches keep beside their entries (a manifest, a memo, an exported program): read
+leniently, replaced atomically, so a crash or a damaged file costs only recomputing what it remembered."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,16 @@ def read_json_dict(path: Path) -> dict[str, Any]:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> bool:
     """Replace ``path`` with ``data`` through a temporary file; False (and a log line) when it cannot be
     written, e.g. a read-only cache."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    return write_bytes_atomic(path, json.dumps(data, indent=0, sort_keys=True).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> bool:
+    """Replace ``path`` with ``data`` through a temporary file (a crash never leaves half a file); False (and
+    a log line) when it cannot be written."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except OSError as e:
         log.warning("%s not written: %s", path, e)

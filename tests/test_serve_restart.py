@@ -1,5 +1,5 @@
 """`slotserve serve` started twice on the same caches: the second start reads the prepared weights back and
-takes every program it compiles before /ready from the XLA compilation cache (asserted on what /ready says was
+takes every program it compiles before /ready from the program store and the XLA compilation cache (asserted on what /ready says was
 loaded, not on time); with a background warm-up it is ready before every program is compiled and still
 answers."""
 
@@ -79,8 +79,11 @@ def test_a_restart_loads_weights_and_programs_from_its_caches(checkpoint, tmp_pa
             stop(proc)
     first, second = readies
     assert first["weights_from_cache"] is False and first["programs"]["from_compile_cache"] == 0
+    assert first["programs"]["from_program_store"] == 0
     assert second["weights_from_cache"] is True
     assert second["programs"]["compiled"] > 0
+    # Neither traced nor compiled again: the exported module read back, the executable from the XLA cache.
+    assert second["programs"]["from_program_store"] == second["programs"]["compiled"]
     assert second["programs"]["from_compile_cache"] == second["programs"]["compiled"]
     # Ready before the larger buckets were compiled (they come after the smallest bucket's programs).
     assert first["programs"]["compiled"] < first["programs"]["total"]
