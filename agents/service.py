@@ -234,9 +234,13 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
             f"{engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
             f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
             f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})"))
-    engine.warmup((lambda name, done, total: progress("compile the step programs", done, total,
-                                                      f"{total} programs" if done == total else name))
-                  if progress else None, background=options.background_compile)
+    def compiling(name: str, done: int, total: int) -> None:
+        detail = f"{total} programs; the tokenizer loaded meanwhile" if done == total else name
+        progress("compile the step programs", done, total, detail)
+
+    # The tokenizer loads while the compile threads wait on XLA, which runs outside the GIL.
+    engine.warmup(compiling if progress else None, background=options.background_compile,
+                  meanwhile=lambda: model.tokenizer)
     # The grammar tokenizer bridge is seconds of work holding the GIL: with a background warm-up it is built
     # after ready, like the larger programs (a constrained request meanwhile waits for it).
     if progress and not options.background_compile:

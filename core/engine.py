@@ -236,11 +236,14 @@ class Engine:
         """Smallest bucket first; within a bucket what every request may need before the speedups."""
         return key[-1], key[0] in OPTIONAL_KINDS
 
-    def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False) -> float:
+    def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False,
+               meanwhile: Callable[[], None] | None = None) -> float:
         """Compile every program (never running one: nothing is written), `COMPILE_THREADS` at a time.
         ``background``: compile the programs the first requests need now and the rest, smallest bucket
         first, on a daemon thread (`background_warmup`); a call that needs one of those before it is
-        ready waits for it. Returns the seconds spent here."""
+        ready waits for it. ``meanwhile``: the caller's own work, run on this thread once the programs are
+        handed to the compile threads (they mostly wait on XLA, outside the GIL). Returns the seconds spent
+        here."""
         begin = time.perf_counter()
         keys = list(self.programs)
         now = [k for k in keys if self._first_needed(k)] if background else keys
@@ -249,6 +252,8 @@ class Engine:
             progress(self.programs[now[0]].name, 0, len(now))
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="slotserve-compile") as pool:
             pending = [pool.submit(self._compile, key) for key in now]
+            if meanwhile:
+                meanwhile()
             for done, future in enumerate(as_completed(pending)):
                 name = future.result()
                 if progress:

@@ -10,12 +10,14 @@ only means computing again.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 from core.json_file import read_json_dict, write_json_atomic
 
 MEMO_FILE = "file-memo.json"  # "<kind>:<resolved path>" -> {"stats": [...], "value": str}
+_HASH_CHUNK = 1 << 20
 
 
 def remembered(path: Path, kind: str, compute: Callable[[], str], memo_dir: Path | None) -> str:
@@ -37,3 +39,12 @@ def remembered(path: Path, kind: str, compute: Callable[[], str], memo_dir: Path
 def file_stats(path: Path) -> list[int]:
     stat = path.stat()
     return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
+def content_hash(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -14,6 +14,7 @@ with int8 storage also `"k_scale"`, `"v_scale"`: [S, max_len, kv_heads] float32 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,12 @@ def layer_key(layer_index: int) -> str:
 
 
 def init_cache(cfg: ModelConfig, spec: CacheSpec) -> KVCache:
+    """Zeros for every owning layer, made by one program: one dispatch instead of one per array, each of which
+    would wait for the GIL again while another thread (a tokenizer loading) holds it."""
+    return jax.jit(partial(_zero_cache, cfg, spec))()
+
+
+def _zero_cache(cfg: ModelConfig, spec: CacheSpec) -> KVCache:
     cache: KVCache = {}
     for layer in cfg.cache_owners:
         shape = (spec.num_slots, spec.max_len, layer.num_kv_heads, layer.head_dim)

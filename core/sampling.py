@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -168,7 +169,12 @@ class SamplerState(NamedTuple):
 
 
 def init_state(num_slots: int, vocab_size: int) -> SamplerState:
-    """All slots neutral and greedy, counts zero, no bias."""
+    """All slots neutral and greedy, counts zero, no bias; made by one program (`core.kv_cache.init_cache`
+    says why)."""
+    return jax.jit(partial(_neutral_state, num_slots, vocab_size))()
+
+
+def _neutral_state(num_slots: int, vocab_size: int) -> SamplerState:
     s, v = num_slots, vocab_size
     return SamplerState(
         temperature=jnp.zeros((s,), jnp.float32),

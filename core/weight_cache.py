@@ -21,31 +21,22 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from core.file_memo import remembered
+from core.file_memo import content_hash, remembered
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump whenever what the loaders prepare changes (the old files then no longer match)
-_HASH_CHUNK = 1 << 20
 
 
 def checkpoint_identity(path: Path, memo_dir: Path | None = None) -> str:
     """What identifies the checkpoint's bytes: a single file's content hash (remembered in ``memo_dir``
     while the file is unchanged, `core.file_memo`), or a directory's file stats."""
     if path.is_file():
-        return remembered(path, "sha256", lambda: _content_hash(path), memo_dir)
+        return remembered(path, "sha256", lambda: content_hash(path), memo_dir)
     digest = hashlib.sha256()
     for f in sorted(p for p in path.iterdir() if p.is_file()):
         stat = f.stat()
         digest.update(f"{f.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
-
-
-def _content_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
     return digest.hexdigest()
 
 

