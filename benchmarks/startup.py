@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Where start-up time goes: `slotserve serve` started twice on the default model, first with an empty XLA
-compilation cache (a fresh machine), then again with it warm (a restart), each until `/ready` answers 200.
+"""Where start-up time goes: `slotserve serve` started on the default model, first with empty caches (a
+fresh machine), then `--restarts` times again with them warm (restarts), each until `/ready` answers 200.
 
     python3 benchmarks/startup.py                        # 8 slots x 8192, the served defaults
     python3 benchmarks/startup.py --slots 4 --max-len 2048
 
 Per start: seconds from process start to /ready, the stage durations the server reports (load the model,
-allocate the KV pool, compile the step programs, grammar bridge, start the scheduler), what it loaded from
-its caches, one short request's latency right after /ready, and seconds until a background warm-up has
-compiled every program. The caches (XLA, prepared weights, tokenizer) live in a temporary directory, so the
-first start is a fresh machine's and the user's own caches are neither used nor touched.
+allocate the KV pool, compile the step programs, start the scheduler), what it loaded from its caches, one
+short request's latency right after /ready, and seconds until a background warm-up has compiled every
+program. The caches (XLA, exported programs, prepared weights, tokenizer) live in a temporary directory, so
+the first start is a fresh machine's and the user's own caches are neither used nor touched.
 """
 
 from __future__ import annotations
@@ -94,15 +94,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--background", choices=("on", "off"), default="on",
                         help="model.background_compile: ready once a short request's programs are compiled (on)")
+    parser.add_argument("--restarts", type=int, default=2, help="warm restarts after the first start (noise)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "startup-cpu.json")
     args = parser.parse_args()
     background = args.background == "on"
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)
-        runs = {"first start (empty caches)": start_once(cache, args.slots, args.max_len, args.timeout, background),
-                "restart (warm caches)": start_once(cache, args.slots, args.max_len, args.timeout, background)}
+        runs = {"first start (empty caches)": start_once(cache, args.slots, args.max_len, args.timeout, background)}
+        for n in range(1, args.restarts + 1):
+            runs[f"restart {n} (warm caches)"] = start_once(cache, args.slots, args.max_len, args.timeout, background)
     report = {"meta": {"command": "python3 benchmarks/startup.py " + " ".join(sys.argv[1:]), "host": host(),
                        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                                    text=True).stdout.strip(),
                        "config": f"default model, {args.slots} slots x {args.max_len}, the server's CPU defaults, "
                                  f"background compile {args.background}",
                        "load_average": os.getloadavg()},
