@@ -58,14 +58,20 @@ def environment_fingerprint() -> str:
     import ml_dtypes
     import numpy as np
 
-    digest = hashlib.sha256()
-    for path in sorted(_CORE.rglob("*.py")):
-        digest.update(f"{path.relative_to(_CORE)}\0".encode())
-        digest.update(path.read_bytes())
+    digest = hashlib.sha256(source_digest(_CORE).encode())
     settings = {name: str(jax.config.values.get(name)) for name in _TRACING_SETTINGS}
     versions = [sys.version, platform.machine(), jax.__version__, jaxlib.__version__, np.__version__,
                 ml_dtypes.__version__, jax.default_backend()]
     digest.update(json.dumps({"format": FORMAT, "versions": versions, "settings": settings}).encode())
+    return digest.hexdigest()
+
+
+def source_digest(directory: Path) -> str:
+    """A SHA-256 over the names and bytes of every Python file below ``directory``."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*.py")):
+        digest.update(f"{path.relative_to(directory)}\0".encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from core import program_store
 from core.engine import Engine, EngineConfig
-from core.program_store import ENTRY_SUFFIX, ProgramStore, program_key
+from core.program_store import ENTRY_SUFFIX, ProgramStore, program_key, source_digest
 from core.sampling import SamplingParams
 from core.weights import random_params
 from tiny_models import model_config
@@ -141,3 +141,20 @@ def test_a_program_that_cannot_be_exported_is_lowered_directly(model, filled, tm
     assert store.exports == 0 and not list(Path(tmp_path).glob(f"*{ENTRY_SUFFIX}"))
     for a, b in zip(expected, outputs(engine), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_editing_any_core_source_changes_the_digest_every_key_holds(tmp_path):
+    """An edited model file must never meet the module exported from its old text."""
+    core = Path(program_store.__file__).parent
+    shutil.copytree(core, tmp_path / "core", ignore=shutil.ignore_patterns("__pycache__"))
+    before = source_digest(tmp_path / "core")
+    assert before == source_digest(core)
+    model = tmp_path / "core" / "model.py"
+    model.write_text(model.read_text() + "\n# an edit\n")
+    edited = source_digest(tmp_path / "core")
+    assert edited != before
+    (tmp_path / "core" / "loaders" / "new_loader.py").write_text("")  # a new file below core/ counts too
+    assert source_digest(tmp_path / "core") != edited
+    edited = source_digest(tmp_path / "core")
+    model.rename(tmp_path / "core" / "model_renamed.py")  # and so does a renamed one
+    assert source_digest(tmp_path / "core") != edited
