@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,10 +27,43 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "slotserve").expanduser()
 
 
+# XLA:CPU flags that make a row's result independent of how many rows share its call and where it sits among
+# them, on every x86 host; without them a prompt token's logits change with the chunk layout, so a prefix-cache
+# hit would not be bit-identical to a cold prefill (docs/design-notes.md, "Exact on every host").
+EXACT_CPU_FLAGS = {
+    # XLA's own kernels without FMA: its LLVM backend always allows multiply-add contraction, and contracts in
+    # some code paths (a scalar tail) and not others (the vector body), so the same element rounds differently
+    # by shape. AVX is every x86-64 CPU of the last decade's baseline; the large matmuls run in YNNPACK,
+    # which picks its own kernels by CPU and keeps AVX-512 / VNNI.
+    "xla_cpu_max_isa": "AVX",
+    # Reductions in XLA's emitter: YNNPACK takes a reduction with at least 4096 elements, so a norm over
+    # 640 channels moved to another summation order at 7 rows.
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    # YNNPACK's float kernels that are consistent with each other only (its faster tile-k variants round
+    # differently); integer dots are exact either way.
+    "xla_cpu_enable_platform_dependent_math": "false",
+}
+
+
+def pin_exact_cpu_flags() -> None:
+    """Add EXACT_CPU_FLAGS to XLA_FLAGS (before XLA reads them: the first computation). A flag the user set
+    is kept, with a warning: that host's exactness is then the user's to check (tests/test_exactness.py)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    words = flags.split()
+    for name, value in EXACT_CPU_FLAGS.items():
+        given = [w for w in words if w.split("=", 1)[0] == f"--{name}"]
+        if not given:
+            words.append(f"--{name}={value}")
+        elif given[-1] != f"--{name}={value}":
+            log.warning("XLA_FLAGS sets %s; exactness across chunk layouts assumes --%s=%s", given[-1], name, value)
+    os.environ["XLA_FLAGS"] = " ".join(words)
+
+
 def configure_environment(platform: str | None = None) -> None:
     """Set XLA environment variables; a no-op for settings the user already chose."""
     if "jax" in sys.modules:
         log.debug("jax already imported; XLA environment settings may not take effect")
+    pin_exact_cpu_flags()
     if platform:
         os.environ.setdefault("JAX_PLATFORMS", platform)
     # GPU: allocate on demand rather than grabbing 75% of memory. GEMM autotuning stays on (XLA's default):
@@ -61,7 +93,7 @@ def choose_dtype(override: str | None = None) -> tuple[str, str]:
         return "bfloat16", f"GPU compute capability {capability or 'unknown'} has native bfloat16"
     if device.platform == "tpu":
         return "bfloat16", "TPU"
-    return _remembered_cpu_dtype()
+    return "float32", "CPU: pinned, so that results do not depend on the host's bfloat16 support"
 
 
 def choose_precision(override: str | None = None) -> tuple[str, str]:
@@ -100,59 +132,3 @@ def choose_kv_dtype(override: str | None, precision: str) -> tuple[str | None, s
     if platform == "cpu" and precision == "w8a8":
         return "int8", "CPU with W8A8: int8 KV is ~0.87x the decode step, within the quality gates"
     return None, "the compute dtype"
-
-
-CPU_DTYPE_MEMO = "cpu-dtype.json"  # the last measurement's result, with the host it was taken on
-
-
-def _remembered_cpu_dtype() -> tuple[str, str]:
-    """`_measure_cpu_dtype`'s answer for this host, measured once and kept in the cache directory (the
-    measurement compiles and runs two programs: most of a second of every start otherwise)."""
-    from core.json_file import read_json_dict, write_json_atomic
-
-    path, host = default_cache_dir() / CPU_DTYPE_MEMO, _host_fingerprint()
-    saved = read_json_dict(path)
-    if saved.get("host") == host and saved.get("dtype") in VALID_DTYPES:
-        return saved["dtype"], f"{saved.get('reason', 'CPU measurement')}, remembered"
-    dtype, reason = _measure_cpu_dtype()
-    write_json_atomic(path, {"host": host, "dtype": dtype, "reason": reason})
-    return dtype, reason
-
-
-def _host_fingerprint() -> str:
-    """What the measurement depends on: the CPU (model and instruction sets), core count, jax and jaxlib."""
-    import hashlib
-    import platform
-
-    import jax
-    import jaxlib
-
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu = "".join(line for line in f.read().split("\n\n")[0].splitlines(keepends=True)
-                          if line.startswith(("model name", "flags", "vendor_id")))
-    except OSError:
-        cpu = platform.processor()
-    text = f"{cpu}|{os.cpu_count()}|{platform.machine()}|{jax.__version__}|{jaxlib.__version__}"
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _measure_cpu_dtype() -> tuple[str, str]:
-    """Time a decode-shaped matmul in float32 and bfloat16; bfloat16 only wins on CPUs with native support."""
-    import jax
-    import jax.numpy as jnp
-
-    timings = {}
-    for dtype in ("float32", "bfloat16"):
-        x = jnp.ones((8, 1024), dtype)
-        w = jnp.ones((4096, 1024), dtype)
-        fn = jax.jit(lambda a, b: jnp.einsum("bi,oi->bo", a, b))
-        fn(x, w).block_until_ready()
-        begin = time.perf_counter()
-        for _ in range(5):
-            fn(x, w).block_until_ready()
-        timings[dtype] = (time.perf_counter() - begin) / 5
-    best = min(timings, key=timings.get)
-    detail = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items())
-    return best, f"CPU measurement ({detail})"

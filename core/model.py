@@ -168,7 +168,7 @@ def attention(
     if window is not None:
         allowed &= kpos > qpos - window
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    probs = softmax(scores).astype(q.dtype)
 
     if quantized:
         # Fold the values' per-position scales into the probabilities, quantize those per row, and
@@ -180,6 +180,40 @@ def attention(
     else:
         out = prob_value(probs, cv)
     return out.reshape(b, t, nh * d)
+
+
+def softmax(scores: jax.Array) -> jax.Array:
+    """Softmax over the last axis whose result does not depend on where the keys sit along it.
+
+    A float sum rounds in an order set by the positions of its terms and the length of the axis, and both
+    change with the chunk layout (a ring view's length follows the chunk size, a global layer's length its
+    attention bucket): a prompt token would see other probabilities in a cold prefill than after a cache hit.
+    The denominator is summed exactly instead (`exact_sum`); the max and the exponentials are exact or
+    elementwise."""
+    shifted = scores - jnp.max(scores, axis=-1, keepdims=True)
+    terms = jnp.exp(shifted.astype(jnp.float32))  # in [0, 1], the max term 1
+    return terms / exact_sum(terms)
+
+
+SUM_PART_BITS = 16  # exact_sum's terms are cut into three 16-bit fixed-point parts: resolution 2**-48
+
+
+def exact_sum(terms: jax.Array) -> jax.Array:
+    """Sum over the last axis of float32 terms in [0, 1], keepdims, exact up to 2**-48 per term and so the
+    same bits in any order and with any number of zero terms. Each term is cut into three 16-bit
+    fixed-point digits (every cut is exact in float32) and each digit summed in int32, where addition is
+    associative; the axis may hold up to 2**15 terms."""
+    if terms.shape[-1] >= 2 ** (31 - SUM_PART_BITS):
+        raise ValueError(f"exact_sum takes at most {2 ** (31 - SUM_PART_BITS) - 1} terms, got {terms.shape[-1]}")
+    unit = 2.0**SUM_PART_BITS
+    rest = terms * unit
+    total = jnp.zeros(terms.shape[:-1] + (1,), jnp.float32)
+    for place in range(1, 4):
+        digit = jnp.floor(rest)
+        rest = (rest - digit) * unit
+        count = jnp.sum(digit.astype(jnp.int32), axis=-1, keepdims=True)
+        total = total + count.astype(jnp.float32) * unit**-place
+    return total
 
 
 def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Array, *, sliding: bool,

@@ -20,25 +20,12 @@ def test_explicit_override_wins_and_is_validated(monkeypatch):
         choose_dtype("int3")
 
 
-def test_cpu_choice_is_measured_once_per_host(monkeypatch, tmp_path):
-    import core.device as device
-
+def test_cpu_compute_dtype_is_float32_on_every_host(monkeypatch):
+    """A bfloat16 step can be the faster one on a CPU with AMX or AVX-512 BF16; choosing by host would make
+    the numbers (and every cached KV) depend on the host, so CPU is pinned to float32."""
     monkeypatch.delenv("SLOTSERVE_DTYPE", raising=False)
-    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path))
     dtype, reason = choose_dtype()
-    assert dtype in ("float32", "bfloat16")
-    assert "CPU measurement" in reason and "float32" in reason and "bfloat16" in reason
-    assert not reason.endswith("remembered")
-    memo = json.loads((tmp_path / device.CPU_DTYPE_MEMO).read_text())
-    assert memo["dtype"] == dtype
-    # A restart on the same host takes the answer without measuring (a measurement would fail here).
-    monkeypatch.setattr(device, "_measure_cpu_dtype", lambda: pytest.fail("measured again"))
-    assert choose_dtype() == (dtype, f"{reason}, remembered")
-    # Another host (or jax version) measures again: here, the memo says another host chose the other dtype.
-    other = "bfloat16" if dtype == "float32" else "float32"
-    (tmp_path / device.CPU_DTYPE_MEMO).write_text(json.dumps({**memo, "host": "another", "dtype": other}))
-    monkeypatch.setattr(device, "_measure_cpu_dtype", lambda: (dtype, "CPU measurement (again)"))
-    assert choose_dtype() == (dtype, "CPU measurement (again)")
+    assert dtype == "float32" and "pinned" in reason
 
 
 def xla_environment(**extra: str) -> dict[str, str | None]:
@@ -67,7 +54,7 @@ def test_xla_environment_is_set_before_jax_is_imported():
 def test_autotune_level_can_be_set_but_never_overrides_the_users_xla_flags():
     assert "--xla_gpu_autotune_level=0" in xla_environment(SLOTSERVE_XLA_AUTOTUNE_LEVEL="0")["XLA_FLAGS"]
     flags = xla_environment(SLOTSERVE_XLA_AUTOTUNE_LEVEL="0", XLA_FLAGS="--xla_gpu_autotune_level=2")["XLA_FLAGS"]
-    assert flags == "--xla_gpu_autotune_level=2"
+    assert [f for f in flags.split() if "autotune" in f] == ["--xla_gpu_autotune_level=2"]
 
 
 RESTARTED_PROCESS = (

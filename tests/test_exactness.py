@@ -1,0 +1,144 @@
+"""What bit-identical prefix reuse rests on, checked on whatever host runs the suite: each primitive of the
+model gives a row the same bits however many rows share its call and wherever the row sits among them, the
+XLA:CPU flags that make it so are in force in every process that imports core, and the int8 matmuls are
+exact whichever kernel YNNPACK picks for this CPU (docs/design-notes.md, "Exact on every host")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.device import EXACT_CPU_FLAGS
+from core.model import apply_rope, exact_sum, linear, quantize_int8, rms_norm, softmax
+from core.rotation import rotate
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_COUNTS = (1, 2, 3, 5, 7, 8, 9, 16, 17, 31, 64, 100)
+SHIFTS = (0, 3)  # where the reference rows start inside the call
+RNG = np.random.default_rng(0)
+
+
+def rows_are_invariant(fn, width: int) -> list[tuple[int, int, int]]:
+    """Run fn on every (shift, row count) window of one input [rows, width]; the (shift, rows, row) triples
+    whose output row differs from the same input row computed in a call of 8 rows starting at 0."""
+    x = RNG.standard_normal((max(ROW_COUNTS) + max(SHIFTS), width)).astype(np.float32) * 3
+    jitted = jax.jit(fn)
+    reference = np.asarray(jitted(jnp.asarray(x[:8])))
+    differing = []
+    for shift in SHIFTS:
+        for count in ROW_COUNTS:
+            out = np.asarray(jitted(jnp.asarray(x[shift:shift + count])))
+            differing += [(shift, count, r) for r in range(count)
+                          if shift + r < 8 and not np.array_equal(out[r], reference[shift + r])]
+    return differing
+
+
+def _w8a8_matrix(out: int, width: int) -> dict:
+    return {"qa8": jnp.asarray(RNG.integers(-127, 128, (out, width)), jnp.int8),
+            "s": jnp.asarray(RNG.random(out) + 0.5, jnp.float32)}
+
+
+W8A8_MATRIX = _w8a8_matrix(2048, 640)
+
+
+def _rope(x: jax.Array) -> jax.Array:
+    """RoPE of the first half of each row by angles taken from its second half (a function of the row alone)."""
+    half = x.shape[-1] // 2
+    angles = x[:, half:]
+    return apply_rope(x[None, :, None, :half], jnp.cos(angles)[None], jnp.sin(angles)[None])[0, :, 0]
+
+
+PRIMITIVES = {
+    # (function of x [rows, width], width): the model's per-row work at the real model's sizes and small ones
+    "rms_norm-8": (lambda x: rms_norm(x, None, 1e-6), 8),
+    "rms_norm-640": (lambda x: rms_norm(x, jnp.linspace(0.5, 1.5, 640), 1e-6), 640),
+    "rms_norm-2048": (lambda x: rms_norm(x, None, 1e-6), 2048),
+    "residual+norm-640": (lambda x: x * 1.3 + rms_norm(x[:, ::-1], jnp.linspace(0.5, 1.5, 640), 1e-6), 640),
+    "rotate-640": (rotate, 640),
+    "rotate-2048": (rotate, 2048),
+    "quantize-640": (lambda x: quantize_int8(x)[0].astype(jnp.float32) * quantize_int8(x)[1][:, None], 640),
+    "w8a8-linear-640x2048": (lambda x: linear(x, W8A8_MATRIX), 640),
+    "gelu*up-128": (lambda x: jax.nn.gelu(x[:, :64], approximate=True) * x[:, 64:], 128),
+    "sum-of-products-8": (lambda x: x[:, :4] * x[:, :4] + x[:, 4:] * x[:, 4:], 8),
+    "rope-256": (_rope, 256),
+    "softmax-1024": (softmax, 1024),
+    "softcap-512": (lambda x: jnp.tanh(x / 30.0) * 30.0, 512),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+def test_each_primitive_gives_a_row_the_same_bits_whatever_rows_share_its_call(name):
+    fn, width = PRIMITIVES[name]
+    assert rows_are_invariant(fn, width) == []
+
+
+def test_softmax_does_not_depend_on_where_its_keys_sit_or_how_many_masked_ones_follow():
+    """A ring view puts the same keys at other indices, a larger attention bucket adds masked positions:
+    the probabilities of the real keys keep their bits."""
+    scores = RNG.standard_normal(40).astype(np.float32) * 4
+    base = np.asarray(jax.jit(softmax)(jnp.asarray(scores)))
+    for length in (40, 48, 64, 1024):
+        for roll in (0, 5, 17):
+            padded = np.full(length, -1e30, np.float32)
+            padded[:40] = scores
+            padded = np.roll(padded, roll)
+            got = np.roll(np.asarray(jax.jit(softmax)(jnp.asarray(padded))), -roll)[:40]
+            np.testing.assert_array_equal(got, base)
+    np.testing.assert_allclose(base, np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum(), rtol=1e-6)
+
+
+def test_exact_sum_is_exact_to_its_resolution_and_refuses_axes_it_would_overflow():
+    terms = RNG.random((3, 5000)).astype(np.float32)
+    got = np.asarray(exact_sum(jnp.asarray(terms)))[:, 0]
+    truth = np.floor(terms.astype(np.float64) * 2.0**48).sum(axis=-1) * 2.0**-48
+    np.testing.assert_allclose(got, truth, rtol=2e-7)  # one float32 rounding of the exact fixed-point sum
+    with pytest.raises(ValueError, match="at most"):
+        exact_sum(jnp.zeros((1, 2**15), jnp.float32))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 640, 2048), (8, 640, 2048), (17, 2048, 640), (100, 256, 1024), (8, 640, 4096)])
+def test_int8_matmuls_equal_exact_integer_products(m, k, n):
+    """YNNPACK picks an int8 kernel by shape and by this CPU's features (AVX2, AVX-512 VNNI, AMX...), which
+    no flag can pin; an int32 accumulation is exact in every one of them, which this checks."""
+    a = RNG.integers(-127, 128, (m, k)).astype(np.int8)
+    b = RNG.integers(-127, 128, (n, k)).astype(np.int8)
+    got = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
+                                                   preferred_element_type=jnp.int32))(a, b)
+    np.testing.assert_array_equal(np.asarray(got), a.astype(np.int64) @ b.astype(np.int64).T)
+
+
+PROBE = """
+import json, os, sys
+import jax, jax.numpy as jnp
+import core  # imported after jax, before the first computation: the flags still take effect
+x = jnp.ones((7, 640), jnp.float32)
+hlo = jax.jit(lambda v: jnp.sum(v * v, axis=-1)).lower(x).compile().as_text()
+print(json.dumps({"flags": os.environ.get("XLA_FLAGS", ""), "ynn_reduce": "__ynn_fusion" in hlo}))
+"""
+
+
+def test_a_fresh_process_that_imports_core_runs_with_the_exactness_flags():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, value in EXACT_CPU_FLAGS.items():
+        assert f"--{name}={value}" in probe["flags"].split()
+    assert probe["ynn_reduce"] is False  # the reduction runs in XLA's own emitter
+
+
+def test_flags_the_user_set_are_kept():
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_max_isa=AVX2 --xla_dump_to=/dev/null"}
+    out = subprocess.run([sys.executable, "-c", "import core, os; print(os.environ['XLA_FLAGS'])"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, check=True, timeout=60)
+    flags = out.stdout.split()
+    assert "--xla_cpu_max_isa=AVX2" in flags and "--xla_cpu_max_isa=AVX" not in flags
+    assert "--xla_cpu_enable_platform_dependent_math=false" in flags and "--xla_dump_to=/dev/null" in flags
