@@ -38,3 +38,19 @@ def run_all(sched: Scheduler, reqs: list[GenerationRequest]):
     handles = [sched.submit(r) for r in reqs]
     sched.run_until_idle()
     return [h.result(timeout=0) for h in handles]
+
+
+def token_logprobs(handle):
+    """A finished request's (token id, logprob) pairs and its finish event, from its event stream."""
+    from scheduler.request import TokenEvent
+
+    events = list(handle.events(timeout=0))
+    return [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent)], events[-1]
+
+
+def cold_logprobs(engine, tokenizer, req: GenerationRequest) -> list[tuple[int, float | None]]:
+    """The cold run's (token id, logprob) pairs."""
+    sched = make(engine, tokenizer, prefix_caching=False)
+    handle = sched.submit(req)
+    sched.run_until_idle()
+    return token_logprobs(handle)[0]

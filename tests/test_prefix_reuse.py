@@ -13,7 +13,7 @@ from core.engine import Engine, EngineConfig
 from core.tokenizer import Tokenizer
 from core.weights import random_params, to_w8a8
 from scheduler.request import GenerationRequest
-from scheduler_helpers import VOCAB, cold, ids, make, request, run_all
+from scheduler_helpers import VOCAB, cold, cold_logprobs, ids, make, request, run_all, token_logprobs
 from tiny_models import CONFIGS, WINDOW
 
 SLOTS = 4
@@ -121,3 +121,51 @@ def test_no_reuse_across_agents_or_cache_salts(engine, tokenizer):
     assert sched.kv.stats.device_copies == 0 and sched.kv.stats.host_restores == 0
     out, _, fin = run_all(sched, [request(prompt, agent="x", cache_salt="tenant-b")])[0]
     assert fin.usage.cached_tokens == len(prompt) - 1  # the same salt shares
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma4"])
+def exact_engine(request, compile_cache):
+    """The CPU serving default (W8A8 weights, int8 KV) on both families, with more chunk sizes and buckets
+    than a prompt of this file needs, so that resuming at a split point changes chunking and buckets."""
+    cfg = ModelConfig.from_hf_dict({**CONFIGS[request.param], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
+    params = to_w8a8(random_params(cfg, std=0.1, norm_std=0.1, seed=11))
+    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=160, chunk_sizes=(4, 8, 16),
+                                           attention_buckets=(32, 64), kv_dtype="int8"), "float32")
+    eng.warmup()
+    return eng
+
+
+# Odd places (inside chunks, past the window, across a bucket): every split for a slot's own or copied KV; the host
+# tier keeps runs of 16 tokens or more, and a request waits for an in-flight prefill that saves it 32 or more.
+SPLITS = {"slot": (1, 3, 7, 10, 17, 22, 29, 33, 38), "host-tier": (17, 22, 29, 33, 38),
+          "in-flight": (33, 38)}
+PROMPT = ids(40, 5 * WINDOW)
+
+
+@pytest.mark.parametrize("path", sorted(SPLITS))
+def test_a_prompt_resumed_at_any_split_gives_the_cold_tokens_and_logprobs_bit_for_bit(exact_engine, tokenizer,
+                                                                                      path):
+    """A request whose prompt starts with what an earlier request left (a prefix ending at a split point)
+    reuses it from a slot (in place or copied), the host tier or a wait for its in-flight prefill, and streams exactly
+    the cold run's tokens and logprobs: float equality, not closeness."""
+    final = request(PROMPT, max_tokens=5, want_logprobs=True, session="b")
+    want = cold_logprobs(exact_engine, tokenizer, final)
+    assert all(lp is not None for _, lp in want)
+    for split in SPLITS[path]:
+        sched = make(exact_engine, tokenizer)
+        first = request(PROMPT[:split], max_tokens=1, session="a")
+        if path == "in-flight":
+            sched.submit(first)
+            handle = sched.submit(final)
+        else:
+            run_all(sched, [first])
+            if path == "host-tier":
+                run_all(sched, [request(ids(200 + i, 12), session=f"o{i}", agent="other") for i in range(SLOTS)])
+            handle = sched.submit(final)
+        sched.run_until_idle()
+        got, fin = token_logprobs(handle)
+        assert fin.usage.cached_tokens == split, (path, split, fin.usage.cached_tokens)
+        assert got == want, f"{path}, split {split}"
+        stats = sched.kv.stats
+        assert {"slot": stats.device_copies + stats.slot_reuses, "host-tier": stats.host_restores,
+                "in-flight": stats.in_flight_waits}[path] == 1
