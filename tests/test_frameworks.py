@@ -59,6 +59,37 @@ def framework_venv(name: str, requirements: tuple[str, ...]) -> Path:
     return python
 
 
+# ---- the OpenAI client: a cache hit at any split gives the cold run's logprobs ---------------------------
+
+
+def test_completions_after_a_prefix_cut_anywhere_give_the_cold_logprobs(server):
+    """The issue-29 check through HTTP on the served default (W8A8, int8 KV): a ~900-token prompt sent cold,
+    and again after a prefix of it cut at an odd character (mid-word, inside a chunk) was sent first, each
+    under its own cache_salt so that nothing else is shared: the reused tokens are reported and the 24
+    greedy tokens come back with the same logprobs, float for float."""
+    from openai import OpenAI
+
+    from core.quality import reference_text
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    words = reference_text().split()
+    prompt = " ".join(words[:700])
+
+    def complete(text: str, salt: str, max_tokens: int = 24):
+        return client.completions.create(model="assistant", prompt=text, max_tokens=max_tokens, temperature=0,
+                                         logprobs=1, extra_body={"cache_salt": salt, "ignore_eos": True})
+
+    cold = complete(prompt, "cold")
+    assert cold.usage.prompt_tokens > 800
+    want = (cold.choices[0].text, cold.choices[0].logprobs.token_logprobs)
+    for cut in (951, 2203, 3377):
+        salt = f"cut-{cut}"
+        complete(prompt[:cut], salt, max_tokens=1)
+        again = complete(prompt, salt)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0.8 * cut / len(prompt) * again.usage.prompt_tokens
+        assert (again.choices[0].text, again.choices[0].logprobs.token_logprobs) == want, cut
+
+
 # ---- pydantic-ai -----------------------------------------------------------------------------------
 
 

@@ -180,3 +180,37 @@ def test_w8a8_with_int8_kv_stays_within_the_quality_gates(real_model, w8a8_param
     f32 = perplexity(score(real_model.cfg, real_model.params, ids)[0])
     int8_kv = perplexity(score(real_model.cfg, w8a8_params, ids, kv_dtype="int8")[0])
     assert abs(int8_kv / f32 - 1) <= 0.02, (f32, int8_kv)
+
+
+def test_the_serving_default_resumed_at_odd_splits_gives_bit_identical_logits(real_model, w8a8_params):
+    """The default model as served on CPU (W8A8, int8 KV) with the serving chunk sizes and two attention
+    buckets: a 300-token prompt prefilled at once, and resumed after each of several odd split points (inside
+    chunks and words, across the bucket, one token before the end), gives the same logits bit for bit, and so
+    do the next decode steps; every cache hit promises this."""
+    from core.quality import reference_tokens
+
+    ids = np.asarray(reference_tokens(real_model.tokenizer, 300))
+    engine = Engine(real_model.cfg, w8a8_params,
+                    EngineConfig(num_slots=2, max_len=512, chunk_sizes=(32, 128), kv_dtype="int8",
+                                 attention_buckets=(256,), verify_width=0), "float32")
+
+    cold_last = np.asarray(engine.prefill(0, ids, 0))
+    cold = [cold_last, *continuation_after(engine, 0, ids, cold_last)]
+    for split in (1, 37, 101, 190, 263, 299):
+        engine.prefill(1, ids[:split], 0)
+        resumed = [np.asarray(engine.prefill(1, ids[split:], split))]
+        resumed += continuation_after(engine, 1, ids, resumed[0])
+        for step, (a, b) in enumerate(zip(cold, resumed, strict=True)):
+            assert np.array_equal(a, b), f"split {split}, step {step}: max |diff| {np.abs(a - b).max()}"
+
+
+def continuation_after(engine: Engine, slot: int, ids: np.ndarray, logits: np.ndarray, steps: int = 3):
+    """The logits of `steps` greedy decode steps of one slot after a prompt whose last logits are given."""
+    out = []
+    tokens, positions, active = (np.zeros(engine.num_slots, np.int32), np.zeros(engine.num_slots, np.int32),
+                                 np.zeros(engine.num_slots, bool))
+    for step in range(steps):
+        tokens[slot], positions[slot], active[slot] = int(np.argmax(logits)), len(ids) + step, True
+        logits = np.asarray(engine.decode(tokens, positions, active))[slot]
+        out.append(logits)
+    return out
