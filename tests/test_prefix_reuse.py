@@ -137,8 +137,7 @@ def exact_engine(request, compile_cache):
 
 # Odd places (inside chunks, past the window, across a bucket): every split for a slot's own or copied KV; the host
 # tier keeps runs of 16 tokens or more, and a request waits for an in-flight prefill that saves it 32 or more.
-SPLITS = {"slot": (1, 3, 7, 10, 17, 22, 29, 33, 38), "host-tier": (17, 22, 29, 33, 38),
-          "in-flight": (33, 38)}
+SPLITS = {"slot": (1, 7, 10, 22, 33, 38), "host-tier": (17, 29, 38), "in-flight": (33, 38)}
 PROMPT = ids(40, 5 * WINDOW)
 
 
