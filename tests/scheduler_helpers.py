@@ -28,10 +28,7 @@ def request(prompt, max_tokens=6, **kw) -> GenerationRequest:
 
 
 def cold(engine, tokenizer, req: GenerationRequest) -> list[int]:
-    sched = make(engine, tokenizer, prefix_caching=False)
-    handle = sched.submit(req)
-    sched.run_until_idle()
-    return handle.result(timeout=0)[0]
+    return [token for token, _ in cold_logprobs(engine, tokenizer, req)]
 
 
 def run_all(sched: Scheduler, reqs: list[GenerationRequest]):

@@ -142,3 +142,34 @@ def test_flags_the_user_set_are_kept():
     flags = out.stdout.split()
     assert "--xla_cpu_max_isa=AVX2" in flags and "--xla_cpu_max_isa=AVX" not in flags
     assert "--xla_cpu_enable_platform_dependent_math=false" in flags and "--xla_dump_to=/dev/null" in flags
+
+
+THREADS_PROBE = """
+import sys
+import numpy as np
+sys.path.insert(0, "tests")
+import core  # noqa: F401  (the pins)
+from core.engine import Engine, EngineConfig
+from core.weights import random_params, to_w8a8
+from tiny_models import model_config
+cfg = model_config("gemma3")
+engine = Engine(cfg, to_w8a8(random_params(cfg, std=0.1, norm_std=0.1, seed=3)),
+                EngineConfig(num_slots=2, max_len=96, chunk_sizes=(4, 16), kv_dtype="int8"), "float32")
+ids = np.random.default_rng(1).integers(3, cfg.vocab_size, size=37)
+engine.prefill(0, ids[:11], 0)
+np.save(sys.argv[1], np.stack([np.asarray(engine.prefill(0, ids[11:], 11)), np.asarray(engine.prefill(1, ids, 0))]))
+"""
+
+
+def test_the_cpu_count_does_not_change_a_result(tmp_path):
+    """XLA and YNNPACK size their thread pools by the CPUs the process may use; work is split by output rows
+    and columns, never inside a sum, so the same prefill on one CPU and on all of them gives the same bits."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    results = []
+    for name, prefix in (("all", []), ("one", ["taskset", "-c", "0"])):
+        path = tmp_path / f"{name}.npy"
+        subprocess.run([*prefix, sys.executable, "-c", THREADS_PROBE, str(path)], cwd=ROOT, env=env, check=True,
+                       capture_output=True, timeout=300)
+        results.append(np.load(path))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0][0], results[0][1])  # resumed after 11 tokens == cold
