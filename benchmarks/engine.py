@@ -43,14 +43,14 @@ if str(ROOT) not in sys.path:
 RESULTS = ROOT / "benchmarks" / "results"
 CONTEXT_NOTE = (
     "slots were not prefilled before decode timing: a decode step reads every slot's global-layer cache up to "
-    "the attention bucket covering the context and a fixed-length ring view of each sliding layer, and masks "
+    "the attention bucket covering the context and a fixed-length view of each sliding layer, and masks "
     "by position, so cache contents do not change its cost; positions were set to the context"
 )
 ROOFLINE_NOTE = (
     "bytes per decode step = streamed parameter bytes (all parameters except tables only gathered by token: "
     "the per-layer-embedding table, and the input embedding when it is not tied to the output projection) "
     "+ the KV a step at the largest context reads (every slot's global layers over max_len positions, its "
-    "sliding layers over their ring view); naive = all parameter bytes + the whole KV pool"
+    "sliding layers over their view); naive = all parameter bytes + the whole KV pool"
 )
 
 
@@ -367,15 +367,17 @@ def streamed_param_bytes(params: dict[str, Any]) -> int:
 
 def decode_kv_read_bytes(engine: Any) -> int:
     """KV bytes a decode step at the largest context reads: global layers all max_len positions of every slot,
-    sliding layers their ring view (core.kv_cache.ring_view_length)."""
-    from core.kv_cache import layer_key, ring_view_length
+    sliding layers their view (core.kv_cache.sliding_view_length)."""
+    from core.kv_cache import layer_key, sliding_view_length
+    from core.model import value_sum_block
 
     cfg, total = engine.cfg, 0
-    ring_width = max(engine.config.verify_tokens, engine.config.rows_verify_width, 1)
+    view_width = max(engine.config.verify_tokens, engine.config.rows_verify_width, 1)
     for layer in cfg.cache_owners:
         entry = engine.cache[layer_key(layer.index)]
         per_position = sum(a.size * a.dtype.itemsize for a in entry.values()) // engine.max_len
-        length = ring_view_length(cfg.sliding_window, engine.max_len, 1, ring_width) if layer.is_sliding \
+        block = value_sum_block(quantized_kv=engine.spec.quantized)
+        length = sliding_view_length(cfg.sliding_window, engine.max_len, 1, view_width, block) if layer.is_sliding \
             else engine.max_len
         total += per_position * length
     return total

@@ -127,9 +127,9 @@ class Engine:
                                   and all_matmuls_integer(params))
         self.cache = init_cache(cfg, self.spec)
         self.buckets = config.bucket_lengths()
-        # Decode and both verify steps read the sliding layers through one ring-view length, so their rows
-        # compute alike bit for bit (core.kv_cache.ring_view_length).
-        model = {"cfg": cfg, "ring_width": max(config.verify_tokens, config.rows_verify_width, 1)}
+        # Decode and both verify steps read the sliding layers through one view length, so their rows
+        # compute alike bit for bit (core.kv_cache.sliding_view_length).
+        model = {"cfg": cfg, "view_width": max(config.verify_tokens, config.rows_verify_width, 1)}
         self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size)
         self.programs: dict[ProgramKey, Program] = self._build_programs(model)
         self.background_warmup: threading.Thread | None = None
@@ -152,7 +152,7 @@ class Engine:
     # ---- programs --------------------------------------------------------------------------
     def _build_programs(self, model: dict[str, Any]) -> dict[ProgramKey, Program]:
         """Every compiled step, keyed by kind and the sizes that fix its shapes; `model` holds the cfg and
-        ring_width every model step is called with."""
+        view_width every model step is called with."""
         def jit(name: str, fn: Callable[..., Any], donate: int | None = 1, **static: Any) -> Program:
             donated = () if donate is None else (donate,)
             identity = f"{fn.__module__}.{fn.__qualname__}{sorted(static.items())!r}{donated}"
@@ -521,21 +521,21 @@ def _one_slot(start: int, n: int, slot: int) -> np.ndarray:
     return np.array([start, n, slot], np.int32)
 
 
-def _prefill_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
+def _prefill_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
     start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
     logits, cache = prefill_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
-                                  ring_width=ring_width)
+                                  view_width=view_width)
     return logits[0], cache  # [V]: the one row, sliced inside the program (an eager slice compiles a program)
 
 
-def _prefill_rows_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
+def _prefill_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
     return prefill_chunk(params, cache, tokens, ints[0], ints[1], None, cfg=cfg, attend=attend,
-                         ring_width=ring_width)
+                         view_width=view_width)
 
 
-def _decode_step(params, cache, packed, *, cfg, ring_width: int, attend: int):
+def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int):
     tokens, positions, active = packed[0], packed[1], packed[2]
-    return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, ring_width=ring_width)
+    return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width)
 
 
 def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -> jax.Array:
@@ -545,18 +545,18 @@ def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
 
 
-def _verify_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
+def _verify_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
     start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
     logits, cache = verify_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
-                                 ring_width=ring_width)
+                                 view_width=view_width)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
 
 
-def _verify_rows_step(params, cache, tokens, ints, *, cfg, ring_width: int, attend: int):
+def _verify_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
     starts, n_valid = ints[0], ints[1]
     logits, cache = verify_chunk(params, cache, tokens, starts, n_valid, None, cfg=cfg, attend=attend,
-                                 ring_width=ring_width)
+                                 view_width=view_width)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
 

@@ -4,8 +4,8 @@ Every owning layer, sliding-window layers included, keeps all `max_len` position
 absolute index, so a slot's KV at position p is a pure function of tokens 0..p and any prefix [0, P) of a
 slot can be copied, saved or restored however far the slot has moved on (docs/design-notes.md, "Sliding
 layers keep every position"). Sliding layers still attend over only the last `window` positions: the model
-reads them through a ring view (`ring_view_length`). KV-shared layers own nothing and read their source
-layer's cache.
+reads them through a view of consecutive positions (`sliding_view_length`). KV-shared layers own nothing and
+read their source layer's cache.
 
 Layout per owning layer i: `{"k": [S, max_len, kv_heads, head_dim], "v": [S, max_len, kv_heads, head_dim]}`;
 with int8 storage also `"k_scale"`, `"v_scale"`: [S, max_len, kv_heads] float32 per-position scales.
@@ -73,8 +73,9 @@ def cache_bytes_per_slot(cfg: ModelConfig, spec: CacheSpec) -> int:
     return spec.max_len * bytes_per_position(cfg, spec.dtype)
 
 
-def ring_view_length(window: int, max_len: int, width: int, min_width: int) -> int:
+def sliding_view_length(window: int, max_len: int, width: int, min_width: int, align: int = 1) -> int:
     """Positions a sliding layer reads for a call of `width` tokens per row: the window of the first query plus
-    the chunk. Calls up to `min_width` tokens (decode, speculative verify) share one length, so every key sits
-    at the same index (position mod length) in each of them and their rows compute alike bit for bit."""
-    return min(window + max(width, min_width) - 1, max_len)
+    the chunk, and room to start the view at a multiple of `align` (`core.model.sliding_view_positions`).
+    Calls up to `min_width` tokens (decode, speculative verify) share one length."""
+    needed = window + max(width, min_width) - 1 + align - 1
+    return min(-(-needed // align) * align, max_len)

@@ -7,11 +7,11 @@ logits at its last real token; `verify_chunk` (speculative verify) and `sequence
 sequence) give them at every token. Each layer that owns a cache writes its chunk's K/V into it at the
 chunk's absolute positions before any query reads it (a layer sharing another's cache runs after that layer
 has written it); every query then attends over the cache alone (global layers over a prefix of the
-positions, sliding layers over a ring view of the last ones), so a chunk reads its own keys exactly as later
+positions, sliding layers over a view of the last ones), so a chunk reads its own keys exactly as later
 decode steps will read them.
 
 Shapes: B rows (slots), T tokens per row, H hidden, nh query heads, kh KV heads, d head size,
-L cache positions read (an attention bucket, or a ring view), V vocab, P per-layer input size (Gemma 4).
+L cache positions read (an attention bucket, or a sliding view), V vocab, P per-layer input size (Gemma 4).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.config import ModelConfig
-from core.kv_cache import KVCache, layer_key, ring_view_length
+from core.kv_cache import KVCache, layer_key, sliding_view_length
 from core.rotation import rotate
 
 Params = dict[str, Any]
@@ -41,7 +41,10 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-MIN_INT8_ROWS = 8
+# Products of fewer rows are padded to this many: XLA's CPU int8 dot has a slow path below 8 rows (the lm_head:
+# ~10x), and a float product of one row runs a matrix-vector kernel that sums in another order than the
+# matrix kernel, so a token's logits would depend on how many rows shared its call.
+MIN_MATMUL_ROWS = 8
 
 
 def linear(x: jax.Array, w: Any) -> jax.Array:
@@ -49,11 +52,11 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     (weight-only: dequantized into the float product), or W8A8 storage {"qa8": int8 [out, in], "s": f32 [out]}
     holding W @ R (core.rotation): x is rotated by R, quantized per row (symmetric, scale max|x|/127) and
     contracted int8 x int8 -> int32."""
+    rows = math.prod(x.shape[:-1])
+    if rows < MIN_MATMUL_ROWS:
+        padded = jnp.zeros((MIN_MATMUL_ROWS, x.shape[-1]), x.dtype).at[:rows].set(x.reshape(rows, -1))
+        return linear(padded, w)[:rows].reshape(*x.shape[:-1], -1)
     if isinstance(w, dict) and "qa8" in w:
-        rows = math.prod(x.shape[:-1])
-        if rows < MIN_INT8_ROWS:  # XLA's CPU int8 dot has a slow path below 8 rows (the lm_head: ~10x)
-            padded = jnp.zeros((MIN_INT8_ROWS, x.shape[-1]), x.dtype).at[:rows].set(x.reshape(rows, -1))
-            return linear(padded, w)[:rows].reshape(*x.shape[:-1], -1)
         x8, x_scale = quantize_int8(rotate(x.astype(jnp.float32)))  # [..., in] int8, [...] f32
         acc = jax.lax.dot_general(x8, w["qa8"], (((x.ndim - 1,), (1,)), ((), ())),
                                   preferred_element_type=jnp.int32)
@@ -96,12 +99,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def ring_positions(ends: jax.Array, length: int) -> jax.Array:
-    """Absolute position at each index of a ring of `length` over positions 0..ends-1, [B, L]: position p sits
-    at index p % L, the ring holding the last L positions before `ends`; negative where it holds nothing."""
-    idx = jnp.arange(length)[None, :]
-    last = ends[:, None] - 1
-    return last - jnp.mod(last - idx, length)
+def sliding_view_positions(ends: jax.Array, length: int, align: int) -> jax.Array:
+    """Absolute position at each index of a sliding layer's view of `length` positions (sized by
+    `core.kv_cache.sliding_view_length` for `align`), [B, L]: consecutive positions in ascending order from
+    a multiple of `align`, the view ending at or after `ends` [B]. Positions past what a row holds are masked
+    by the attention; none is negative.
+
+    With `align` the float value sum's block (`value_sum_block`), every block of the view holds the same
+    absolute positions in every call, whatever its chunk size or view length: the blocked sum then adds the
+    same terms in the same order (a ring, position p at index p % L, changed that order with L)."""
+    needed = length - align + 1  # at least what the length was sized for before alignment
+    start = jnp.maximum(ends - needed, 0) // align * align
+    return start[:, None] + jnp.arange(length)[None, :]
 
 
 def query_key(q: jax.Array, keys: jax.Array, accumulate: Any = None) -> jax.Array:
@@ -127,6 +136,43 @@ def prob_value(probs: jax.Array, values: jax.Array, accumulate: Any = None) -> j
     return jnp.transpose(out.reshape(b, g, t, -1), (0, 2, 1, 3))[:, :, None]
 
 
+# Keys per block of the float probabilities x values sum on CPU (`blocked_prob_value`).
+FLOAT_VALUE_BLOCK = 64
+
+
+def value_sum_block(*, quantized_kv: bool) -> int:
+    """Keys per block of the attention's value sum: 1 (one contraction over the whole view) where it is exact
+    or no exactness is promised, FLOAT_VALUE_BLOCK for float KV on CPU.
+
+    An int8 cache contracts int8 x int8 -> int32, exact in any order. A float contraction over the keys is
+    not: YNNPACK splits and orders a long one by its length (a [*, 560] x [560, 256] product and the same
+    terms in a [*, 1024] one with zeros after them round differently), and the view's length follows the
+    chunk size and the attention bucket. Accelerators keep one contraction (no cross-host exactness there)."""
+    return 1 if quantized_kv or jax.default_backend() != "cpu" else FLOAT_VALUE_BLOCK
+
+
+def blocked_prob_value(probs: jax.Array, values: jax.Array, block: int) -> jax.Array:
+    """prob_value summed block by block in key order: probs [B, kh, g, T, S], values [B, S, kh, d] ->
+    [B, T, kh, g, d]. Each block is one contraction of `block` keys (one shape in every call, so one rounding)
+    and the blocks add up one after the other, so with the keys at the same indices modulo `block`
+    (`sliding_view_positions`) masked blocks before or after the real ones add exact zeros and change
+    nothing; the running sum keeps memory at one block's worth."""
+    b, kh, g, t, length = probs.shape
+    pad = -length % block
+    probs = jnp.pad(probs, [(0, 0)] * 4 + [(0, pad)])
+    values = jnp.pad(values, [(0, 0), (0, pad), (0, 0), (0, 0)])
+    n_blocks = (length + pad) // block
+    prob_blocks = jnp.moveaxis(probs.reshape(b, kh, g, t, n_blocks, block), 4, 0)
+    value_blocks = jnp.moveaxis(values.reshape(b, n_blocks, block, kh, values.shape[-1]), 1, 0)
+
+    def add_block(total: jax.Array, pair: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        return total + prob_value(*pair), None
+
+    start = jnp.zeros((b, t, kh, g, values.shape[-1]), probs.dtype)
+    total, _ = jax.lax.scan(add_block, start, (prob_blocks, value_blocks))
+    return total
+
+
 def attention(
     q: jax.Array,
     keys: dict[str, jax.Array],
@@ -137,12 +183,14 @@ def attention(
     window: int | None,
     scale: float,
     softcap: float | None,
+    value_block: int = 1,
 ) -> jax.Array:
     """Attention of the queries over the cache positions gathered for them.
 
     q [B, T, nh, d]; keys["k"/"v"] [B, L, kh, d] (int8 with "k_scale"/"v_scale" [B, L, kh] when quantized)
     holding absolute positions key_pos [B, L] (negative: nothing); positions [B, T] of the queries; held [B]:
-    each row's cache holds positions 0..held-1 (this call's chunk included). Returns [B, T, nh * d].
+    each row's cache holds positions 0..held-1 (this call's chunk included); value_block: keys per block of
+    the float value sum (`value_sum_block`), the key positions aligned to it. Returns [B, T, nh * d].
     """
     b, t, nh, d = q.shape
     ck, cv = keys["k"], keys["v"]
@@ -177,6 +225,8 @@ def attention(
         p8, p_scale = quantize_int8(weighted)
         out = prob_value(p8, cv, jnp.int32).astype(jnp.float32)
         out = (out * jnp.transpose(p_scale, (0, 3, 1, 2))[..., None]).astype(q.dtype)
+    elif value_block > 1:
+        out = blocked_prob_value(probs, cv, value_block)
     else:
         out = prob_value(probs, cv)
     return out.reshape(b, t, nh * d)
@@ -186,7 +236,7 @@ def softmax(scores: jax.Array) -> jax.Array:
     """Softmax over the last axis whose result does not depend on where the keys sit along it.
 
     A float sum rounds in an order set by the positions of its terms and the length of the axis, and both
-    change with the chunk layout (a ring view's length follows the chunk size, a global layer's length its
+    change with the chunk layout (a sliding view's length follows the chunk size, a global layer's length its
     attention bucket): a prompt token would see other probabilities in a cold prefill than after a cache hit.
     The denominator is summed exactly instead (`exact_sum`); the max and the exponentials are exact or
     elementwise."""
@@ -217,18 +267,18 @@ def exact_sum(terms: jax.Array) -> jax.Array:
 
 
 def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Array, *, sliding: bool,
-               attend: int | None, ring: int) -> tuple[dict[str, jax.Array], jax.Array]:
+               attend: int | None, length: int, align: int) -> tuple[dict[str, jax.Array], jax.Array]:
     """What one layer reads from its cache entry ([S, max_len, ...] arrays): (arrays [B, L, ...], key positions
     [B, L]). rows [B]: the slot of each row (None: row b is slot b); ends [B]: one past each row's last
-    query position. A global layer reads positions [0, attend) in place. A sliding layer gathers a ring view
-    of `ring` positions, the last ones before `ends`, position p at index p % ring: the key layout depends on
-    absolute positions only, so calls with the same ring length compute their rows alike."""
+    query position. A global layer reads positions [0, attend) in place. A sliding layer gathers a view of
+    `length` consecutive positions from a multiple of `align`, ending at or after `ends`
+    (`sliding_view_positions`); a global layer uses neither."""
     max_len = entry["k"].shape[1]
     if not sliding:
-        length = max_len if attend is None else min(attend, max_len)
-        view = {name: (arr if rows is None else arr[rows])[:, :length] for name, arr in entry.items()}
-        return view, jnp.broadcast_to(jnp.arange(length)[None, :], (ends.shape[0], length))
-    key_pos = ring_positions(ends, ring)
+        prefix = max_len if attend is None else min(attend, max_len)
+        view = {name: (arr if rows is None else arr[rows])[:, :prefix] for name, arr in entry.items()}
+        return view, jnp.broadcast_to(jnp.arange(prefix)[None, :], (ends.shape[0], prefix))
+    key_pos = sliding_view_positions(ends, length, align)
     index = jnp.clip(key_pos, 0, max_len - 1)
     slot = (jnp.arange(ends.shape[0]) if rows is None else rows)[:, None]
     return {name: arr[slot, index] for name, arr in entry.items()}, key_pos
@@ -286,7 +336,7 @@ def hidden_states(
     *,
     cfg: ModelConfig,
     attend: int | None = None,
-    ring_width: int = 1,
+    view_width: int = 1,
 ) -> tuple[jax.Array, KVCache]:
     """Run T tokens per row through the embedding, every decoder layer and the final norm: (h [B, T, H], cache).
 
@@ -294,8 +344,8 @@ def hidden_states(
     first n_valid[b] (n_valid [B]) are real (the rest is padding; n_valid 0 marks an idle row that writes
     nothing). slots [B] int32: the slot of each row, or None when row b is slot b of the whole pool. attend:
     global layers read only cache positions [0, attend), which must cover every row's chunk (starts +
-    n_valid), so a step's attention cost follows the longest context in it, not max_len. ring_width: sliding
-    layers read a ring view sized for max(T, ring_width) tokens per row (`core.kv_cache.ring_view_length`);
+    n_valid), so a step's attention cost follows the longest context in it, not max_len. view_width: sliding
+    layers read a view sized for max(T, view_width) tokens per row (`core.kv_cache.sliding_view_length`);
     decode and speculative verify pass their common width so each of their rows computes exactly what a
     decode step at that position computes.
 
@@ -314,7 +364,7 @@ def hidden_states(
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
     chunk = Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
-                  attend=attend, ring_width=ring_width)
+                  attend=attend, view_width=view_width)
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         h, cache = decoder_layer(h, cache, lp, layer, cfg, chunk, ropes[(layer.kind, layer.head_dim)],
                                  None if ple is None else ple[:, :, layer.index, :])
@@ -337,13 +387,13 @@ def prefill_chunk(
     *,
     cfg: ModelConfig,
     attend: int | None = None,
-    ring_width: int = 1,
+    view_width: int = 1,
 ) -> tuple[jax.Array, KVCache]:
     """A prompt chunk per row, tokens [B, T] int32 from starts [B] (n_valid [B] real, slots [B] or None, as in
     `hidden_states`), continuing what each slot holds: (logits [B, V] float32 at each row's last real token,
     cache)."""
     h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                             ring_width=ring_width)
+                             view_width=view_width)
     return lm_head(params, cfg, last_real_token(h, n_valid)), cache
 
 
@@ -356,12 +406,12 @@ def decode_step(
     *,
     cfg: ModelConfig,
     attend: int | None = None,
-    ring_width: int = 1,
+    view_width: int = 1,
 ) -> tuple[jax.Array, KVCache]:
     """One token for every slot of the pool: tokens [B] int32 at positions [B] int32, active [B] (0 / 1; an
     idle slot writes nothing): (logits [B, V] float32, cache)."""
     return prefill_chunk(params, cache, tokens[:, None], positions, active, None, cfg=cfg, attend=attend,
-                         ring_width=ring_width)
+                         view_width=view_width)
 
 
 def sequence_logits(
@@ -374,12 +424,12 @@ def sequence_logits(
     *,
     cfg: ModelConfig,
     attend: int | None = None,
-    ring_width: int = 1,
+    view_width: int = 1,
 ) -> tuple[jax.Array, KVCache]:
     """Logits at every position of a chunk (scoring a whole sequence, teacher forcing): tokens [B, T] int32
     and the rest as in `hidden_states` -> (logits [B, T, V] float32, cache)."""
     h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                             ring_width=ring_width)
+                             view_width=view_width)
     return lm_head(params, cfg, h), cache
 
 
@@ -393,20 +443,20 @@ def verify_chunk(
     *,
     cfg: ModelConfig,
     attend: int | None = None,
-    ring_width: int = 1,
+    view_width: int = 1,
 ) -> tuple[jax.Array, KVCache]:
     """A speculative verify chunk per row (the last sampled token, then drafts): tokens [B, T] int32 and the
-    rest as in `hidden_states` -> (logits [B, T, V] float32 after each token, cache). ring_width must be the
+    rest as in `hidden_states` -> (logits [B, T, V] float32 after each token, cache). view_width must be the
     one decode steps use, so each row's logits equal the decode step's at that position."""
     return sequence_logits(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                           ring_width=ring_width)
+                           view_width=view_width)
 
 
 @dataclass(frozen=True)
 class Chunk:
     """Where one call's tokens sit, as every layer reads it: positions [B, T]; ends [B] one past each row's
     last (possibly padded) query; held [B] positions each row's slot holds once the chunk is written;
-    n_valid [B] real tokens per row; slots [B] or None (row b is slot b); attend and ring_width as in
+    n_valid [B] real tokens per row; slots [B] or None (row b is slot b); attend and view_width as in
     `hidden_states`."""
 
     positions: jax.Array
@@ -415,7 +465,7 @@ class Chunk:
     n_valid: jax.Array
     slots: jax.Array | None
     attend: int | None
-    ring_width: int
+    view_width: int
 
 
 def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig, chunk: Chunk,
@@ -439,12 +489,13 @@ def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, 
     else:
         q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
     entry = cache[layer_key(layer.kv_source)]
-    ring = ring_view_length(cfg.sliding_window, entry["k"].shape[1], t, chunk.ring_width)
+    block = value_sum_block(quantized_kv="k_scale" in entry)
+    length = sliding_view_length(cfg.sliding_window, entry["k"].shape[1], t, chunk.view_width, block)
     keys, key_pos = cache_view(entry, chunk.slots, chunk.ends, sliding=layer.is_sliding, attend=chunk.attend,
-                               ring=ring)
+                               length=length, align=block)
     attn = attention(q, keys, key_pos, chunk.positions, chunk.held,
                      window=cfg.sliding_window if layer.is_sliding else None, scale=cfg.query_scale,
-                     softcap=cfg.attn_logit_softcap)
+                     softcap=cfg.attn_logit_softcap, value_block=block)
     h = h + rms_norm(linear(attn, lp["o_proj"]), lp["post_attention_layernorm"], eps)
 
     x = rms_norm(h, lp["pre_feedforward_layernorm"], eps)

@@ -279,27 +279,30 @@ def test_int8_kv_cache_tracks_float_cache(setup):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
-def test_int8_kv_prompt_logits_are_bit_identical_however_the_prompt_was_chunked(setup):
-    """With W8A8 weights and int8 KV (the CPU default) a prompt's logits are the same bits whether it was
-    prefilled at once, resumed after any split point (every one, across chunk sizes, attention buckets and the
-    window), or finished by decode steps: what a prefix-cache hit promises (core.device.EXACT_CPU_FLAGS,
-    core.model.softmax)."""
+@pytest.mark.parametrize("variant", ["w8a8-int8kv", "float"])
+def test_prompt_logits_are_bit_identical_however_the_prompt_was_chunked(setup, variant):
+    """With W8A8 weights and int8 KV (the CPU default) and on the float path alike, a prompt's logits are the
+    same bits whether it was prefilled at once, resumed after any split point (every one, across chunk sizes,
+    attention buckets and the window), or finished by decode steps: what a prefix-cache hit promises
+    (core.device.EXACT_CPU_FLAGS, core.model.softmax, core.model.sliding_view_positions)."""
     from core.weights import to_w8a8
 
     cfg, engine, _ = setup
-    int8 = Engine(cfg, to_w8a8(engine.params), EngineConfig(num_slots=2, max_len=96, chunk_sizes=CHUNKS,
-                                                            attention_buckets=BUCKETS, kv_dtype="int8"), "float32")
+    quantized = variant == "w8a8-int8kv"
+    exact = Engine(cfg, to_w8a8(engine.params) if quantized else engine.params,
+                   EngineConfig(num_slots=2, max_len=96, chunk_sizes=CHUNKS, attention_buckets=BUCKETS,
+                                kv_dtype="int8" if quantized else None), "float32")
     ids = np.random.default_rng(1).integers(3, cfg.vocab_size, size=5 * W)
-    at_once = np.asarray(int8.prefill(0, ids, 0))
+    at_once = np.asarray(exact.prefill(0, ids, 0))
     differing = []
     for split in range(1, len(ids)):
-        int8.prefill(1, ids[:split], 0)
-        if not np.array_equal(np.asarray(int8.prefill(1, ids[split:], split)), at_once):
+        exact.prefill(1, ids[:split], 0)
+        if not np.array_equal(np.asarray(exact.prefill(1, ids[split:], split)), at_once):
             differing.append(split)
     assert not differing, f"logits differ after splits at {differing}"
-    int8.prefill(1, ids[:3 * W], 0)
+    exact.prefill(1, ids[:3 * W], 0)
     for t in range(3 * W, 5 * W):
-        last = one_slot_step(int8, 1, int(ids[t]), t)
+        last = one_slot_step(exact, 1, int(ids[t]), t)
     np.testing.assert_array_equal(last, at_once)
 
 

@@ -17,7 +17,17 @@ import numpy as np
 import pytest
 
 from core.device import EXACT_CPU_FLAGS
-from core.model import apply_rope, exact_sum, linear, quantize_int8, rms_norm, softmax
+from core.model import (
+    FLOAT_VALUE_BLOCK,
+    apply_rope,
+    blocked_prob_value,
+    exact_sum,
+    linear,
+    quantize_int8,
+    query_key,
+    rms_norm,
+    softmax,
+)
 from core.rotation import rotate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +57,7 @@ def _w8a8_matrix(out: int, width: int) -> dict:
 
 
 W8A8_MATRIX = _w8a8_matrix(2048, 640)
+FLOAT_MATRIX = jnp.asarray(RNG.standard_normal((1536, 640)), jnp.float32)  # the default model's fused q/k/v
 
 
 def _rope(x: jax.Array) -> jax.Array:
@@ -66,6 +77,7 @@ PRIMITIVES = {
     "rotate-2048": (rotate, 2048),
     "quantize-640": (lambda x: quantize_int8(x)[0].astype(jnp.float32) * quantize_int8(x)[1][:, None], 640),
     "w8a8-linear-640x2048": (lambda x: linear(x, W8A8_MATRIX), 640),
+    "float-linear-640x1536": (lambda x: linear(x, FLOAT_MATRIX), 640),
     "gelu*up-128": (lambda x: jax.nn.gelu(x[:, :64], approximate=True) * x[:, 64:], 128),
     "sum-of-products-8": (lambda x: x[:, :4] * x[:, :4] + x[:, 4:] * x[:, 4:], 8),
     "rope-256": (_rope, 256),
@@ -81,7 +93,7 @@ def test_each_primitive_gives_a_row_the_same_bits_whatever_rows_share_its_call(n
 
 
 def test_softmax_does_not_depend_on_where_its_keys_sit_or_how_many_masked_ones_follow():
-    """A ring view puts the same keys at other indices, a larger attention bucket adds masked positions:
+    """A sliding view puts the same keys at other indices, a larger attention bucket adds masked positions:
     the probabilities of the real keys keep their bits."""
     scores = RNG.standard_normal(40).astype(np.float32) * 4
     base = np.asarray(jax.jit(softmax)(jnp.asarray(scores)))
@@ -93,6 +105,46 @@ def test_softmax_does_not_depend_on_where_its_keys_sit_or_how_many_masked_ones_f
             got = np.roll(np.asarray(jax.jit(softmax)(jnp.asarray(padded))), -roll)[:40]
             np.testing.assert_array_equal(got, base)
     np.testing.assert_allclose(base, np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum(), rtol=1e-6)
+
+
+KEYS, HEAD = 512, 256  # a sliding window of the default model, its head size
+
+
+def _keys_at(offset: int, length: int, real: np.ndarray) -> np.ndarray:
+    """A view of `length` keys [1, length, 1, HEAD] holding `real` at `offset` and other values elsewhere."""
+    view = RNG.standard_normal((1, length, 1, HEAD)).astype(np.float32)
+    view[:, offset:offset + len(real), 0] = real
+    return view
+
+
+# (queries, view length, offset of the real keys): chunk sizes, sliding views and attention buckets of the default
+# model; offsets are whole value blocks, as core.model.sliding_view_positions aligns them.
+VIEWS = [(q, length, offset) for q in (128, 32, 8, 1) for length, offset in
+         ((576, 0), (576, 64), (704, 128), (1024, 0), (1024, 512), (2048, 1536))]
+
+
+def test_float_scores_and_value_sums_do_not_depend_on_the_view_around_the_real_keys():
+    """The float path's attention: a query's scores against its keys, and its sum of probabilities x values
+    (`blocked_prob_value`), keep their bits whatever the query count, the view's length and the
+    block-aligned offset of the keys in it (one plain contraction over the view did not, on an AMD EPYC
+    Zen 4)."""
+    queries = RNG.standard_normal((1, 128, 1, 4, HEAD)).astype(np.float32)  # [B, T, kh, g, d]
+    real_keys, real_values = (RNG.standard_normal((KEYS, HEAD)).astype(np.float32) for _ in range(2))
+    probs = RNG.random((1, 1, 4, 128, KEYS)).astype(np.float32)  # [B, kh, g, T, S]
+    scores_fn = jax.jit(query_key)
+    values_fn = jax.jit(blocked_prob_value, static_argnums=2)
+    want_scores = want_values = None
+    for q, length, offset in VIEWS:
+        keys, values = _keys_at(offset, length, real_keys), _keys_at(offset, length, real_values)
+        view_probs = np.zeros((1, 1, 4, q, length), np.float32)
+        view_probs[..., offset:offset + KEYS] = probs[..., :q, :]
+        scores = np.asarray(scores_fn(jnp.asarray(queries[:, :q]), jnp.asarray(keys)))[..., offset:offset + KEYS]
+        summed = np.asarray(values_fn(jnp.asarray(view_probs), jnp.asarray(values), FLOAT_VALUE_BLOCK))
+        if want_scores is None:
+            want_scores, want_values = scores, summed
+        n = min(q, want_scores.shape[3])
+        np.testing.assert_array_equal(scores[..., :n, :], want_scores[..., :n, :], err_msg=str((q, length, offset)))
+        np.testing.assert_array_equal(summed[:, :n], want_values[:, :n], err_msg=str((q, length, offset)))
 
 
 def test_exact_sum_is_exact_to_its_resolution_and_refuses_axes_it_would_overflow():

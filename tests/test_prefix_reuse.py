@@ -123,14 +123,18 @@ def test_no_reuse_across_agents_or_cache_salts(engine, tokenizer):
     assert fin.usage.cached_tokens == len(prompt) - 1  # the same salt shares
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma4"])
+@pytest.fixture(scope="module", params=["gemma3-w8a8-int8kv", "gemma4-w8a8-int8kv", "gemma3-float", "gemma4-float"])
 def exact_engine(request, compile_cache):
-    """The CPU serving default (W8A8 weights, int8 KV) on both families, with more chunk sizes and buckets
-    than a prompt of this file needs, so that resuming at a split point changes chunking and buckets."""
-    cfg = ModelConfig.from_hf_dict({**CONFIGS[request.param], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
-    params = to_w8a8(random_params(cfg, std=0.1, norm_std=0.1, seed=11))
-    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=160, chunk_sizes=(4, 8, 16),
-                                           attention_buckets=(32, 64), kv_dtype="int8"), "float32")
+    """The CPU serving default (W8A8 weights, int8 KV) and the float path, on both families, with more chunk
+    sizes and buckets than a prompt of this file needs, so that resuming at a split point changes chunking and
+    buckets."""
+    family, _, variant = request.param.partition("-")
+    cfg = ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=11)
+    quantized = variant == "w8a8-int8kv"
+    eng = Engine(cfg, to_w8a8(params) if quantized else params,
+                 EngineConfig(num_slots=SLOTS, max_len=160, chunk_sizes=(4, 8, 16), attention_buckets=(32, 64),
+                              kv_dtype="int8" if quantized else None), "float32")
     eng.warmup()
     return eng
 

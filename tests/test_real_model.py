@@ -182,21 +182,25 @@ def test_w8a8_with_int8_kv_stays_within_the_quality_gates(real_model, w8a8_param
     assert abs(int8_kv / f32 - 1) <= 0.02, (f32, int8_kv)
 
 
-def test_the_serving_default_resumed_at_odd_splits_gives_bit_identical_logits(real_model, w8a8_params):
-    """The default model as served on CPU (W8A8, int8 KV) with the serving chunk sizes and two attention
-    buckets: a 300-token prompt prefilled at once, and resumed after each of several odd split points (inside
-    chunks and words, across the bucket, one token before the end), gives the same logits bit for bit, and so
-    do the next decode steps; every cache hit promises this."""
+@pytest.mark.parametrize("variant", ["w8a8-int8kv", "float"])
+def test_the_default_model_resumed_at_odd_splits_gives_bit_identical_logits(real_model, w8a8_params, variant):
+    """The default model as served on CPU (W8A8, int8 KV) and on the float path, with the serving chunk sizes
+    and two attention buckets: a 700-token prompt prefilled at once, and resumed after each of several odd
+    split points (inside chunks and words, across the bucket and the 512-token sliding window, one token
+    before the end), gives the same logits bit for bit, and so do the next decode steps; every cache hit
+    promises this."""
     from core.quality import reference_tokens
 
-    ids = np.asarray(reference_tokens(real_model.tokenizer, 300))
-    engine = Engine(real_model.cfg, w8a8_params,
-                    EngineConfig(num_slots=2, max_len=512, chunk_sizes=(32, 128), kv_dtype="int8",
-                                 attention_buckets=(256,), verify_width=0), "float32")
+    quantized = variant == "w8a8-int8kv"
+    ids = np.asarray(reference_tokens(real_model.tokenizer, 700))
+    assert len(ids) > real_model.cfg.sliding_window + 128  # sliding layers read a view, not the whole slot
+    engine = Engine(real_model.cfg, w8a8_params if quantized else real_model.params,
+                    EngineConfig(num_slots=2, max_len=1024, chunk_sizes=(32, 128), kv_dtype="int8" if quantized
+                                 else None, attention_buckets=(512,), verify_width=0), "float32")
 
     cold_last = np.asarray(engine.prefill(0, ids, 0))
     cold = [cold_last, *continuation_after(engine, 0, ids, cold_last)]
-    for split in (1, 37, 101, 190, 263, 299):
+    for split in (1, 101, 263, 530, 611, 699):
         engine.prefill(1, ids[:split], 0)
         resumed = [np.asarray(engine.prefill(1, ids[split:], split))]
         resumed += continuation_after(engine, 1, ids, resumed[0])
