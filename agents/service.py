@@ -282,6 +282,7 @@ class ChatParams:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     ignore_eos: bool = False
+    close_within_budget: bool = True  # a constrained output near max_tokens closes along its grammar
     session_id: str | None = None
     user: str | None = None
     cache_salt: str | None = None  # requests share cached KV only with the same salt (vLLM's API)
@@ -404,6 +405,11 @@ class Outcome:
     content: str | None
     tool_calls: list[dict[str, Any]] | None
     finish_reason: str
+    budget_closed: bool = False  # the document was closed along its grammar to fit max_tokens
+
+    def extensions(self) -> dict[str, Any]:
+        """slotserve's fields beside an API's own in the finished choice / message / response."""
+        return {"budget_closed": True} if self.budget_closed else {}
 
     def message(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -699,6 +705,7 @@ class ChatService:
             max_tokens=max_tokens,
             stop=tuple(stop),
             ignore_eos=p.ignore_eos,
+            close_within_budget=p.close_within_budget,
             session=f"{agent.name}:{p.session_id}" if p.session_id else None,
             agent=agent.name,
             priority=agent.priority,
@@ -726,10 +733,17 @@ class ChatService:
             return RenderedPrompt(list(prompt), 0, "")
         return self.runtime.template.render_completion(prompt, max_prompt_tokens=self.prompt_limit(agent))
 
-    def finish(self, gen: Generation, text: str, reason: FinishReason, call_ids: list[str] | None = None) -> Outcome:
+    def finish(self, gen: Generation, text: str, reason: FinishReason, call_ids: list[str] | None = None,
+               budget_closed: bool = False) -> Outcome:
         """The assistant message for the generated ``text`` (tool calls parsed) and the OpenAI finish reason.
         ``call_ids``: the ids the stream already gave the calls. A call cut short by max_tokens is still the
-        call it was becoming (finish reason "length"), never leaked into the content."""
+        call it was becoming (finish reason "length"), never leaked into the content. ``budget_closed``: the
+        scheduler closed the output to fit max_tokens (its finish reason stays the natural one)."""
+        outcome = self._outcome(gen, text, reason, call_ids)
+        outcome.budget_closed = budget_closed
+        return outcome
+
+    def _outcome(self, gen: Generation, text: str, reason: FinishReason, call_ids: list[str] | None) -> Outcome:
         finish = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(reason, str(reason))
         if gen.tool_mode is not None:
             after_text = gen.spec.answer_schema is None

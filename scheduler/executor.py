@@ -17,6 +17,7 @@ from core.sampling import batch_needs_full
 from scheduler.grammar import fill_masks
 from scheduler.host_tier import HostTier
 from scheduler.plan import CopyPrefix, RestoreFromHost, SaveToHost, StepOutcome, StepPlan
+from scheduler.sequence import Sequence
 
 
 def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
@@ -35,11 +36,7 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
     for chunk in plan.chunks:
         logits = engine.prefill_chunk(chunk.seq.slot, chunk.tokens, chunk.start)
         if chunk.last:
-            constraint = chunk.seq.request.constraint
-            mask = None
-            if constraint is not None:
-                mask = mask_buffer(engine, 1)
-                fill_masks([(constraint, 0)], mask)
+            mask = constraint_masks(engine, [(chunk.seq, 0)], 1, out)
             out.first[chunk.seq.id] = (engine.sample_slot(chunk.seq.slot, logits, step=0, mask=mask), 0)
     if plan.decode:
         _decode(engine, plan, out)
@@ -58,6 +55,27 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
 def mask_buffer(engine: Engine, rows: int) -> np.ndarray:
     """All tokens allowed ([rows, ceil(V/32)] uint32); constrained rows are overwritten by fill_masks."""
     return np.full((rows, -(-engine.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
+
+
+def constraint_masks(engine: Engine, rows: list[tuple[Sequence, int]], n_rows: int, out: StepOutcome
+                     ) -> np.ndarray | None:
+    """The allowed-token bitmask [n_rows, ceil(V/32)] for sequences at the given rows (None when none is
+    constrained): each constrained row its grammar's mask, or only the token that closes its document within
+    max_tokens (scheduler.budget_close); the fill's time goes into ``out``."""
+    constrained = [(seq, row) for seq, row in rows if seq.request.constraint is not None]
+    if not constrained:
+        return None
+    mask = mask_buffer(engine, n_rows)
+    begin = time.perf_counter()
+    fill_masks([(seq.request.constraint, row) for seq, row in constrained], mask)
+    for seq, row in constrained:
+        if seq.budget is not None:
+            token = seq.budget.forced_token(seq.request.constraint, len(seq.generated), seq.max_tokens)
+            if token is not None:
+                mask[row] = 0
+                mask[row, token >> 5] = np.uint32(1 << (token & 31))
+    out.mask_fills.append((time.perf_counter() - begin, len(constrained)))
+    return mask
 
 
 def _prefill_rows(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
@@ -89,12 +107,6 @@ def _sample_rows(engine: Engine, logits, seqs, steps: np.ndarray, out: StepOutco
     time is recorded in ``out``)."""
     active = np.zeros(engine.num_slots, bool)
     active[[seq.slot for seq in seqs]] = True
-    constrained = [(seq.request.constraint, seq.slot) for seq in seqs if seq.request.constraint is not None]
-    mask = None
-    if constrained:
-        mask = mask_buffer(engine, engine.num_slots)
-        begin = time.perf_counter()
-        fill_masks(constrained, mask)
-        out.mask_fills.append((time.perf_counter() - begin, len(constrained)))
+    mask = constraint_masks(engine, [(seq, seq.slot) for seq in seqs], engine.num_slots, out)
     return engine.sample(logits, active, steps, mask=mask,
                          needs_full=batch_needs_full(seq.request.sampling for seq in seqs))

@@ -58,6 +58,12 @@ class GrammarMatcher(ABC):
     def error(self) -> str | None:
         """Why the matcher stopped on a bad token or a backend limit; None while healthy."""
 
+    def closing_path(self, limit: int) -> list[int] | None:
+        """Tokens that take the output from here to its end (a stop token last unless the grammar ends by
+        itself), at most ``limit`` of them; None when the backend cannot tell or none was found. The matcher
+        itself does not move. A backend without it never closes a document early (scheduler.budget_close)."""
+        return None
+
 
 class Backend(ABC):
     name: str

@@ -28,15 +28,31 @@ from scheduler.tool_protocol import TOOL_CALL_MARKER, call_head
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher", "fill_llguidance_masks", "llguidance_tokenizer"]
 
 
+# The order in which a closing path tries one-character tokens: close a string, object or array first, then the
+# shortest values and separators, then any other character (a string's minLength or pattern, a key's name).
+# A quote comes first, so inside a string a closing brace is never taken for content while the quote would do.
+CLOSING_ORDER = '"}]0,:[{tfn' + "abcdefghijklmopqrsuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ123456789"
+
+
+def closing_candidates(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids of one-character tokens for printable ASCII, in CLOSING_ORDER first, then the rest."""
+    order = CLOSING_ORDER + "".join(chr(c) for c in range(32, 127) if chr(c) not in CLOSING_ORDER)
+    ids = [tokenizer.encode(c, parse_special=False) for c in order]
+    return tuple(i[0] for i in ids if len(i) == 1)
+
+
 class LLGuidanceMatcher(GrammarMatcher):
-    """A thin shell over an LLMatcher (a deep copy of the compiled template); stop ids are its EOS set."""
+    """A thin shell over an LLMatcher (a deep copy of the compiled template); stop ids are its EOS set;
+    `closers`: `closing_candidates` of the tokenizer."""
 
-    __slots__ = ("_m", "stop_ids", "vocab_size")
+    __slots__ = ("_m", "closers", "stop_ids", "vocab_size")
 
-    def __init__(self, matcher: LLMatcher, stop_ids: frozenset[int], vocab_size: int) -> None:
+    def __init__(self, matcher: LLMatcher, stop_ids: frozenset[int], vocab_size: int,
+                 closers: tuple[int, ...] = ()) -> None:
         self._m = matcher
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size
+        self.closers = closers
 
     def consume(self, token: int) -> bool:
         return self._m.consume_token(int(token))
@@ -58,6 +74,25 @@ class LLGuidanceMatcher(GrammarMatcher):
     @property
     def error(self) -> str | None:
         return self._m.get_error() or None
+
+    def closing_path(self, limit: int) -> list[int] | None:
+        """Greedy on a copy of the matcher: the tokens the grammar forces, else the first of `closers` it
+        allows; a stop token once the output is complete. Every step is one the grammar allows, so the path
+        is a valid ending whenever it is found (not always the shortest one)."""
+        m, path = self._m.deep_copy(), []
+        while len(path) < limit:
+            if m.is_error():
+                return None
+            if m.is_stopped():
+                return path
+            if m.is_accepting():
+                stop = next((t for t in sorted(self.stop_ids) if m.validate_tokens([t]) == 1), None)
+                return None if stop is None else [*path, stop]
+            step = m.compute_ff_tokens() or next(([t] for t in self.closers if m.validate_tokens([t]) == 1), None)
+            if step is None or not m.consume_tokens(step):
+                return None
+            path += step
+        return None
 
 
 _bridge_lock = threading.Lock()
@@ -207,6 +242,7 @@ def llguidance_error(spec: ConstraintSpec, message: str) -> UnsupportedConstrain
 
 class LLGuidanceBackend(Backend):
     name = "llguidance"
+    _closers: tuple[int, ...] | None = None  # closing_candidates, made on the first matcher
 
     def warm_up(self) -> None:
         llguidance_tokenizer(self.tokenizer, self.vocab_size)
@@ -239,7 +275,9 @@ class LLGuidanceBackend(Backend):
         return None
 
     def matcher(self, handle: LLMatcher) -> GrammarMatcher:
-        return LLGuidanceMatcher(handle.deep_copy(), self.stop_ids, self.vocab_size)
+        if self._closers is None:
+            self._closers = closing_candidates(self.tokenizer)
+        return LLGuidanceMatcher(handle.deep_copy(), self.stop_ids, self.vocab_size, self._closers)
 
 
 _executor: LLExecutor | None = None

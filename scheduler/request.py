@@ -52,6 +52,8 @@ class GenerationRequest:
     seed: int | None = None  # None: drawn at admission (also the sampling seed unless sampling.seed is set)
     want_logprobs: bool = False  # the sampled token's logprob (top alternatives: sampling.logprobs)
     constraint: Any = None  # structured-output state (per slot); None: unconstrained
+    # A constrained output near max_tokens closes along its grammar rather than being cut (budget_close).
+    close_within_budget: bool = True
 
     @property
     def cache_scope(self) -> tuple[str, str | None]:
@@ -96,6 +98,7 @@ class FinishEvent:
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     stop_sequence: str | None = None  # the stop string that ended generation, if one did
+    budget_closed: bool = False  # the output was closed along its grammar to fit max_tokens (budget_close)
 
 
 Event = TokenEvent | FinishEvent

@@ -29,6 +29,7 @@ import numpy as np
 
 from core.engine import Engine, SampleResult
 from core.tokenizer import Tokenizer
+from scheduler.budget_close import BudgetClose
 from scheduler.executor import execute
 from scheduler.host_tier import HostTier
 from scheduler.kv_manager import CacheConfig, KVCacheManager
@@ -101,6 +102,7 @@ class SchedulerStats:
     batched_speculative_steps: int = 0  # of those, batched over several streams (engine.verify_rows)
     draft_tokens: int = 0  # drafted tokens sent to verify steps
     accepted_draft_tokens: int = 0  # of those, accepted (tokens gained over plain decode steps)
+    budget_closed: int = 0  # constrained outputs closed along their grammar to fit max_tokens (budget_close)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -182,6 +184,7 @@ class Scheduler:
             stop_matcher=StopMatcher(request.stop) if request.stop else None,
             max_tokens=request.max_tokens,
             seed=seed if seed is not None else random.getrandbits(31),
+            budget=BudgetClose() if request.constraint is not None and request.close_within_budget else None,
         )
         self._inbox.put(seq)
         return handle
@@ -515,8 +518,10 @@ class Scheduler:
         usage = Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
                       completion_tokens=len(seq.generated))
         matched = seq.stop_matcher.matched if seq.stop_matcher is not None else None
+        closed = seq.budget is not None and seq.budget.closing and reason is FinishReason.STOP
+        self.stats.budget_closed += closed
         self._emit(seq, FinishEvent(reason=reason, usage=usage, text=tail, error=error, timings=timings,
-                                    stop_sequence=matched))
+                                    stop_sequence=matched, budget_closed=closed))
         if seq.slot is not None:
             self.kv.release(seq)
             if seq in self._prefilling:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from core.tokenizer import IncrementalDetokenizer
+from scheduler.budget_close import BudgetClose
 from scheduler.request import GenerationRequest, RequestHandle
 from scheduler.speculation import DraftIndex
 from scheduler.stop_strings import StopMatcher
@@ -44,6 +45,7 @@ class Sequence:
     draft_index: DraftIndex | None = None  # prompt + generated, indexed for prompt-lookup drafts (on first use)
     drafted: int = 0  # speculative draft tokens verified for this sequence
     accepted: int = 0  # of those, accepted
+    budget: BudgetClose | None = None  # closing the document within max_tokens (constrained requests only)
 
     def draft(self, max_tokens: int) -> list[int]:
         """Prompt-lookup draft for what follows prompt + generated (scheduler/speculation.py)."""

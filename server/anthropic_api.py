@@ -120,6 +120,7 @@ def _params(request: Request, body: MessagesRequest | CountTokensRequest, caller
     if isinstance(body, MessagesRequest):
         params.max_tokens, params.temperature, params.top_p = body.max_tokens, body.temperature, body.top_p
         params.top_k, params.stop = body.top_k, body.stop_sequences
+        params.close_within_budget = body.close_within_budget is not False
         params.user = (body.metadata.user_id if body.metadata else None) or body.user_profile_id
     return params
 
@@ -166,9 +167,9 @@ def content_blocks(outcome: Outcome) -> list[dict[str, Any]]:
 
 
 def _message(mid: str, agent: str, content: list, reason: str | None, stop: str | None,
-             use: dict[str, int]) -> dict[str, Any]:
+             use: dict[str, int], extensions: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": mid, "type": "message", "role": "assistant", "model": agent, "content": content,
-            "stop_reason": reason, "stop_sequence": stop, "usage": use}
+            "stop_reason": reason, "stop_sequence": stop, "usage": use, **(extensions or {})}
 
 
 async def create_message(request: Request, agent: AgentSpec, body: MessagesRequest) -> Response:
@@ -182,7 +183,8 @@ async def create_message(request: Request, agent: AgentSpec, body: MessagesReque
                                  headers={**SSE_HEADERS, **session_header(turn.gen)})
     _, outcome, fin = await turn.collect(request)
     return JSONResponse(_message(mid, agent.name, content_blocks(outcome), stop_reason(outcome, fin),
-                                 fin.stop_sequence, usage(fin)), headers=session_header(turn.gen))
+                                 fin.stop_sequence, usage(fin), outcome.extensions()),
+                        headers=session_header(turn.gen))
 
 
 def event(name: str, payload: dict[str, Any]) -> bytes:
@@ -243,7 +245,8 @@ async def _stream(turn: Turn, mid: str) -> AsyncIterator[bytes]:
                 for chunk in [*blocks.events(ev.pieces), *blocks.close()]:
                     yield chunk
                 yield event("message_delta", {"delta": {"stop_reason": stop_reason(ev.outcome, ev.fin),
-                                                        "stop_sequence": ev.fin.stop_sequence}, "usage": usage(ev.fin)})
+                                                        "stop_sequence": ev.fin.stop_sequence,
+                                                        **ev.outcome.extensions()}, "usage": usage(ev.fin)})
             elif isinstance(ev, Failed):
                 yield event("error", {"error": ev.error.anthropic_body()["error"]})
                 return

@@ -126,6 +126,8 @@ class MessagesRequest(_Prompt):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
+    close_within_budget: bool | None = Field(
+        None, description="extension: false lets a constrained output near max_tokens be cut rather than closed")
 
     @field_validator("stop_sequences")
     @classmethod

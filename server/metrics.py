@@ -78,6 +78,7 @@ class _SchedulerCollector(Collector):
             ("batched_speculative_steps", "speculative verify steps batched over several greedy streams"),
             ("draft_tokens", "prompt-lookup draft tokens verified"),
             ("accepted_draft_tokens", "draft tokens accepted (tokens gained over plain decode steps)"),
+            ("budget_closed", "constrained outputs closed along their grammar to fit max_tokens"),
         ):
             c = CounterMetricFamily(f"slotserve_scheduler_{field}", doc)
             c.add_metric([], float(stats[field]))

@@ -149,6 +149,7 @@ def chat_params(body: ChatCompletionRequest, session_id: str | None, caller: Any
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, response_format=rf,
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None,
         tool_choice=tool_choice, ignore_eos=bool(body.ignore_eos), session_id=session_id, user=body.user,
+        close_within_budget=body.close_within_budget is not False,
         cache_salt=body.cache_salt, caller=caller, truncation=body.truncation,
         parallel_tool_calls=body.parallel_tool_calls,
     )
@@ -186,7 +187,7 @@ def _chat_body(state: ServerState, gen: Generation, cid: str, outcome: Outcome, 
     """A finished chat completion as the non-streaming API returns it (and idempotent retries replay it)."""
     choice: dict[str, Any] = {"index": 0, "message": {**outcome.message(), "refusal": None},
                               "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
-                              "finish_reason": outcome.finish_reason}
+                              "finish_reason": outcome.finish_reason, **outcome.extensions()}
     body = {"id": cid, "object": "chat.completion", "created": gen.created, "model": gen.agent.name,
             "system_fingerprint": fingerprint(state), "choices": [choice], "usage": usage(fin)}
     if gen.session_id:
@@ -217,9 +218,10 @@ async def _chat_stream(turn: Turn, cid: str, include_usage: bool, logprobs: bool
     base = {"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": gen.agent.name,
             "system_fingerprint": fingerprint(state)}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, lp: list | None = None) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None = None, lp: list | None = None,
+              extensions: dict[str, Any] | None = None) -> bytes:
         out = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": {"content": lp, "refusal": None}
-                                    if lp is not None else None, "finish_reason": finish}]}
+                                    if lp is not None else None, "finish_reason": finish, **(extensions or {})}]}
         if include_usage:
             out["usage"] = None
         return sse(out)
@@ -235,7 +237,7 @@ async def _chat_stream(turn: Turn, cid: str, include_usage: bool, logprobs: bool
             elif isinstance(event, Finished):
                 if delta := chat_delta(event.pieces):
                     yield chunk(delta)
-                yield chunk({}, event.outcome.finish_reason)
+                yield chunk({}, event.outcome.finish_reason, extensions=event.outcome.extensions())
             else:
                 for end in _stream_end(event, base, include_usage):
                     yield end
@@ -279,6 +281,7 @@ def _completion_params(body: CompletionRequest) -> ChatParams:
         stop=body.stop_list(), logit_bias=body.bias(), logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0, response_format=rf, tools=None, tool_choice="none",
         ignore_eos=bool(body.ignore_eos), user=body.user, cache_salt=body.cache_salt,
+        close_within_budget=body.close_within_budget is not False,
     )
 
 
@@ -311,13 +314,15 @@ async def completion(request: Request, agent: AgentSpec, body: CompletionRequest
     tokens, outcome, fin = await turn.collect(request)
     return JSONResponse({**base, "choices": [{
         "text": outcome.content, "index": 0, "logprobs": _legacy_logprobs(state, tokens) if want_lp else None,
-        "finish_reason": outcome.finish_reason}], "usage": usage(fin)})
+        "finish_reason": outcome.finish_reason, **outcome.extensions()}], "usage": usage(fin)})
 
 
 async def _completion_stream(turn: Turn, base: dict[str, Any], include_usage: bool,
                              want_lp: bool) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None = None, lp: dict | None = None) -> bytes:
-        out = {**base, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
+    def chunk(text: str, finish: str | None = None, lp: dict | None = None,
+              extensions: dict[str, Any] | None = None) -> bytes:
+        out = {**base, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish,
+                                    **(extensions or {})}]}
         if include_usage:
             out["usage"] = None
         return sse(out)
@@ -332,7 +337,7 @@ async def _completion_stream(turn: Turn, base: dict[str, Any], include_usage: bo
                 if text or lp:
                     yield chunk(text, lp=lp)
             elif isinstance(event, Finished):
-                yield chunk("".join(event.pieces), event.outcome.finish_reason)
+                yield chunk("".join(event.pieces), event.outcome.finish_reason, extensions=event.outcome.extensions())
             else:
                 for end in _stream_end(event, base, include_usage):
                     yield end

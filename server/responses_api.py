@@ -177,6 +177,7 @@ def _params(body: ResponsesRequest, messages: list[dict[str, Any]], sid: str | N
         top_k=body.top_k, response_format=_response_format(body), tools=tools, tool_choice=_tool_choice(body),
         session_id=sid, user=body.user or body.safety_identifier, cache_salt=body.cache_salt, caller=caller,
         truncation=body.truncation, instructions=body.instructions, only_new=only_new,
+        close_within_budget=body.close_within_budget is not False,
         parallel_tool_calls=False if body.max_tool_calls == 1 else body.parallel_tool_calls)
 
 
@@ -241,6 +242,7 @@ class ResponseBuilder:
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
             "truncation": b.truncation or "disabled", "usage": usage(fin) if fin is not None else None,
             "user": b.user, "metadata": b.metadata or {}, "background": False, "service_tier": "default",
+            **(outcome.extensions() if outcome is not None else {}),
         }
 
 

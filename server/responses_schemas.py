@@ -196,6 +196,8 @@ class ResponsesRequest(_Strict):
     background: Literal[False] | None = Field(None, description="only false: responses run in the foreground")
     # extensions, as on Chat Completions
     top_k: int | None = Field(None, ge=0, description="extension")
+    close_within_budget: bool | None = Field(
+        None, description="extension: false lets a constrained output near max_tokens be cut rather than closed")
     cache_salt: str | None = Field(None, min_length=1, max_length=256, description="extension (as vLLM's)")
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN,
                                    description="extension: continue this server-side session (or X-Session-Id)")

@@ -6,6 +6,7 @@ being silently ignored. Known parameters with values we cannot honour (``n`` > 1
 other than text) are refused by `unsupported_values`.
 
 Extensions (not in OpenAI's API): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``close_within_budget``,
 ``session_id``, ``cache_salt`` (as vLLM's).
 
 A router in front of several replicas (vllm-router) re-serialises chat and completion bodies and adds
@@ -165,6 +166,8 @@ class _Sampling(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension")
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="extension")
     ignore_eos: bool | None = Field(None, description="extension: keep generating past end-of-sequence tokens")
+    close_within_budget: bool | None = Field(
+        None, description="extension: false lets a constrained output near max_tokens be cut rather than closed")
     cache_salt: str | None = Field(None, min_length=1, max_length=256,
                                    description="extension (as vLLM's): requests share cached prompt KV only with "
                                                "requests of the same agent that carry the same salt")

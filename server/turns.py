@@ -212,7 +212,7 @@ class Turn:
                     status = error.status
                     yield Failed(error)
                     return
-                outcome = service.finish(gen, "".join(parts), ev.reason, calls.call_ids)
+                outcome = service.finish(gen, "".join(parts), ev.reason, calls.call_ids, ev.budget_closed)
                 # Generation finished: the turn is committed whether or not the client stays to the end.
                 commit = in_background(self.state, service.commit(gen, outcome))
                 yield Finished(outcome, ev, tail + calls.finish())

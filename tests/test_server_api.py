@@ -143,10 +143,43 @@ def test_structured_output_parse(client):
 def test_json_object_mode(client):
     r = client.chat.completions.create(model="assistant", messages=USER, response_format={"type": "json_object"},
                                        max_tokens=40, extra_body={"ignore_eos": False})
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(r.choices[0].message.content), dict)
-    else:
-        assert r.choices[0].message.content.startswith("{")
+    assert r.choices[0].finish_reason == "stop"  # closed within the budget if it had to be
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+OPEN_OBJECT = {"type": "json_schema", "json_schema": {"name": "bag", "schema": {
+    "type": "object", "additionalProperties": {"type": "string"}, "minProperties": 0}}}
+
+
+def test_documents_close_within_max_tokens_in_every_api(server, client):
+    """The random tiny model runs long in an open object: within 24 tokens every API returns a complete document
+    with its natural finish reason and slotserve's budget_closed mark, counted in /metrics; with
+    close_within_budget false the same requests are cut (length)."""
+    closed = cut = 0
+    for seed in range(4):
+        kw = {"model": "assistant", "messages": USER, "response_format": OPEN_OBJECT, "max_tokens": 24, "seed": seed,
+              "temperature": 1.0}
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
+        closed += bool(getattr(choice, "budget_closed", False))
+        off = client.chat.completions.create(**kw, extra_body={"close_within_budget": False}).choices[0]
+        cut += off.finish_reason == "length" and not getattr(off, "budget_closed", False)
+    assert closed >= 2 and cut == closed
+    fmt = {"type": "json_schema", "name": "bag", "schema": OPEN_OBJECT["json_schema"]["schema"]}
+    resp = post(server, "/v1/responses", {"model": "assistant", "input": "Hi", "max_output_tokens": 24,
+                                          "temperature": 1.0, "text": {"format": fmt}})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["status"] == "completed" and isinstance(json.loads(body["output"][0]["content"][0]["text"]), dict)
+    msg = post(server, "/v1/messages", {"model": "assistant", "max_tokens": 24, "temperature": 1.0,
+                                        "messages": [{"role": "user", "content": "Hi"}],
+                                        "output_config": {"format": {"type": "json_schema", "schema": fmt["schema"]}}})
+    assert msg.status_code == 200, msg.text
+    assert msg.json()["stop_reason"] == "end_turn" and isinstance(json.loads(msg.json()["content"][0]["text"]), dict)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    count = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("slotserve_scheduler_budget_closed_total"))
+    assert count >= closed
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

@@ -14,7 +14,7 @@ from core.engine import Engine, EngineConfig
 from core.sampling import SamplingParams
 from core.tokenizer import Tokenizer
 from core.weights import random_params
-from scheduler.grammar import ConstraintSpec, GrammarCompiler
+from scheduler.grammar import ConstraintSpec, GrammarCompiler, fill_masks
 from scheduler.request import FinishReason, GenerationRequest
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tiny_models import GEMMA3
@@ -121,3 +121,69 @@ def test_max_tokens_inside_a_structure_finishes_with_length(setup):
     ids, text, fin = run(sched, [req])[0]
     assert fin.reason is FinishReason.LENGTH and len(ids) == 5
     assert text.startswith("{")
+
+
+# Schemas whose documents a random model runs long in (open strings, arrays, recursion) and that a budget of 48
+# tokens can still close: nested required objects, arrays with minItems, $ref recursion, an open object.
+CLOSABLE = [
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "string"}, "d": {"type": "integer"}}, "required": ["c", "d"]}}, "required": ["b"]},
+        "e": {"type": "boolean"}}, "required": ["a", "e"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "minItems": 3},
+                                      "n": {"type": "number"}}, "required": ["tags", "n"]},
+    {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v", "kids"]}}, "$ref": "#/$defs/node"},
+    {"type": "object", "additionalProperties": {"type": "string"}},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                                      "notes": {"type": "string", "minLength": 5}}, "required": ["code", "notes"]},
+]
+
+
+def test_closing_paths_end_every_document_validly_from_any_point(setup):
+    """From random points of random documents, the matcher's closing path is accepted token by token and ends a
+    document that validates: the length the budget relies on is a real ending, never an underestimate."""
+    _, tokenizer, compiler = setup
+    rng = np.random.default_rng(5)
+    for schema in CLOSABLE:
+        compiled = compiler.compile(ConstraintSpec.json_schema(schema))
+        for _ in range(6):
+            matcher, taken = compiler.matcher(compiled), []
+            for _ in range(int(rng.integers(0, 30))):  # a random prefix the grammar allows
+                mask = np.zeros((1, (VOCAB + 31) // 32), np.uint32)
+                fill_masks([(matcher, 0)], mask)
+                allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+                allowed = [t for t in allowed if t not in compiler.stop_ids]
+                if not allowed or matcher.is_finished():
+                    break
+                token = int(rng.choice(allowed))
+                assert matcher.consume(token)
+                taken.append(token)
+            path = matcher.closing_path(512)
+            assert path is not None, (schema, tokenizer.decode(taken))
+            ending = [t for t in path if t not in compiler.stop_ids]
+            assert all(matcher.consume(t) for t in ending) and matcher.is_accepting()
+            jsonschema.validate(json.loads(tokenizer.decode(taken + ending)), schema)
+
+
+def test_a_document_that_would_be_cut_closes_within_max_tokens_and_validates(setup):
+    """A random model runs long inside these documents: with a budget of 48 tokens, each closes along its grammar
+    (finish STOP, marked budget_closed, counted) and validates; the same requests with closing off are cut
+    (LENGTH). A document whose shortest ending cannot fit any more still ends with LENGTH."""
+    engine, tokenizer, compiler = setup
+
+    def requests(close: bool) -> list[GenerationRequest]:
+        return [GenerationRequest(prompt(500 + i), SamplingParams(temperature=1.0, seed=i), max_tokens=48,
+                                  close_within_budget=close,
+                                  constraint=compiler.matcher(compiler.compile(ConstraintSpec.json_schema(s))))
+                for i, s in enumerate(CLOSABLE)]
+
+    sched = Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids)
+    closed = run(sched, requests(True))
+    cut = run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), requests(False))
+    for schema, (ids, text, fin), (_, _, fin_off) in zip(CLOSABLE, closed, cut, strict=True):
+        assert fin.reason is FinishReason.STOP and len(ids) <= 48, (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+        assert fin.budget_closed == (fin_off.reason is FinishReason.LENGTH), (schema, text)
+        assert not fin_off.budget_closed
+    assert sum(f.budget_closed for _, _, f in closed) >= 3  # most of them would have been cut
+    assert sched.stats.budget_closed == sum(f.budget_closed for _, _, f in closed)

@@ -1,0 +1,58 @@
+"""Documents that close within max_tokens: a constrained output that would be cut by its token budget is
+steered, near the end, along a closing path of its grammar, so the client gets a complete, valid document
+instead of a truncated one (docs/structured-output.md, "Closing within the budget").
+
+Per constrained sequence (`BudgetClose`), while the grammar's output is not complete, the scheduler asks
+`GrammarMatcher.closing_path` how many tokens would end it from the current state: every RECHECK_TOKENS
+tokens, and at every step once the budget left comes within RECHECK_TOKENS of that length. When the tokens
+left are at most the path's length + CLOSE_SLACK (and at least its length), the sequence closes: from then
+on its mask allows only the path's next token. The path is a valid ending by construction (each step is one
+the grammar allows), so the document validates. If a path does not fit any more (one sampled token raised
+the closing length by more than the slack) the sequence runs to max_tokens as before: `length`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.grammar_backends import GrammarMatcher
+
+CLOSE_SLACK = 3  # close this many tokens before the budget would stop fitting the path, for what a token adds
+RECHECK_TOKENS = 16  # how stale a measured closing length may get while the budget is far from it
+PATH_LIMIT = 512  # longest closing path searched for (a longer ending never fits a sensible budget)
+
+__all__ = ["BudgetClose", "CLOSE_SLACK", "RECHECK_TOKENS"]
+
+
+@dataclass
+class BudgetClose:
+    """One constrained sequence's closing state."""
+
+    path: list[int] | None = None  # a closing path from the grammar state after `measured_at` tokens
+    measured_at: int = -1  # generated tokens when `path` was measured (-1: never)
+    closing: bool = False  # the sequence follows `path` to its end
+
+    def forced_token(self, matcher: GrammarMatcher, generated: int, max_tokens: int) -> int | None:
+        """The only token the sequence may take next to end its document within ``max_tokens`` (``generated``
+        so far), or None: sample as usual."""
+        if self.closing:
+            self._advance(generated)
+            return self.path[0] if self.path else None
+        if matcher.is_accepting():
+            return None  # the output may end here: the model stops it or not, nothing is cut
+        left = max_tokens - generated
+        stale = generated - self.measured_at >= RECHECK_TOKENS or self.measured_at < 0
+        near = self.path is not None and left <= len(self.path) + CLOSE_SLACK + RECHECK_TOKENS
+        if stale or near:
+            self.path, self.measured_at = matcher.closing_path(PATH_LIMIT), generated
+        if self.path is not None and len(self.path) <= left <= len(self.path) + CLOSE_SLACK:
+            self._advance(generated)
+            self.closing = True
+            return self.path[0]
+        return None
+
+    def _advance(self, generated: int) -> None:
+        """Drop the path's tokens taken since it was measured (each one was the forced token)."""
+        if self.path is not None and generated > self.measured_at:
+            self.path = self.path[generated - self.measured_at:]
+            self.measured_at = generated
