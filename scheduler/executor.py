@@ -69,6 +69,8 @@ def constraint_masks(engine: Engine, rows: list[tuple[Sequence, int]], n_rows: i
     begin = time.perf_counter()
     fill_masks([(seq.request.constraint, row) for seq, row in constrained], mask)
     for seq, row in constrained:
+        if seq.request.constraint.keys is not None:
+            seq.request.constraint.keys.drop_repeats(mask[row])
         if seq.budget is not None:
             token = seq.budget.forced_token(seq.request.constraint, len(seq.generated), seq.max_tokens)
             if token is not None:

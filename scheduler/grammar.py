@@ -42,6 +42,8 @@ from scheduler.grammar_llguidance import (
 )
 from scheduler.grammar_outlines import OutlinesCoreBackend, OutlinesMatcher
 from scheduler.grammar_spec import ConstraintSpec, GrammarBusyError, UnsupportedConstraintError
+from scheduler.json_keys import KeyTracker, QuoteTokens, quote_tokens
+from scheduler.tool_protocol import TOOL_CALL_MARKER
 
 # What the compiler does unless told otherwise (the server's config and the runtime read these).
 DEFAULT_BACKEND = "llguidance"
@@ -113,6 +115,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[ConstraintSpec, Future[CompiledGrammar]] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        self._quotes: QuoteTokens | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -126,11 +129,12 @@ class GrammarCompiler:
     def warm_up(self) -> None:
         """Build the tokenizer bridge now (seconds, once per process and tokenizer); call at start-up."""
         self._backend.warm_up()
+        self.quote_tokens()
 
     def warm_up_in_background(self) -> Future[None]:
         """Build the tokenizer bridge on a compile worker; a compile submitted meanwhile waits for it (its
         time counts against that compile's timeout)."""
-        return self._pool.submit(self._backend.warm_up)
+        return self._pool.submit(self.warm_up)
 
     def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
         """The compiled grammar for ``spec`` (blocking); raises UnsupportedConstraintError."""
@@ -170,10 +174,26 @@ class GrammarCompiler:
         return future
 
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
-        """Fresh per-request state for ``compiled`` (cheap: a copy of the compiled template)."""
+        """Fresh per-request state for ``compiled`` (cheap: a copy of the compiled template), with a key tracker
+        where the output holds JSON (`scheduler.json_keys`)."""
         if compiled.backend != self.backend:
             raise ValueError(f"grammar compiled by {compiled.backend}, this compiler uses {self.backend}")
-        return self._backend.matcher(compiled.handle)
+        matcher = self._backend.matcher(compiled.handle)
+        spec = compiled.spec
+        if spec.kind in ("json_schema", "json_object", "tools"):
+            # Tool calls: each marker starts a document; free text before a call (tool choice auto with no
+            # answer format) is not JSON, so tracking starts at the first marker.
+            calls = spec.kind == "tools"
+            matcher.keys = KeyTracker(self.quote_tokens(), restart_at=TOOL_CALL_MARKER.encode() if calls else b"",
+                                      armed=not calls or spec.answer_schema is not None or spec.tool_mode != "auto")
+        return matcher
+
+    def quote_tokens(self) -> QuoteTokens:
+        """The tokenizer's tokens holding a quote (`scheduler.json_keys`), found on first use (~0.3 s)."""
+        with self._lock:
+            if self._quotes is None:
+                self._quotes = quote_tokens(self.tokenizer)
+            return self._quotes
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:

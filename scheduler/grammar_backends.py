@@ -15,6 +15,7 @@ from typing import Any
 
 from core.tokenizer import Tokenizer
 from scheduler.grammar_spec import ConstraintSpec, UnsupportedConstraintError
+from scheduler.json_keys import KeyTracker
 from scheduler.schema_rewrite import rewrite
 from scheduler.schema_walk import iter_subschemas
 from scheduler.strict_schema import tighten, wants_strict
@@ -28,10 +29,13 @@ def mask_words(vocab_size: int) -> int:
 
 
 class GrammarMatcher(ABC):
-    """One request's position in its grammar. Not thread-safe: drive it from the engine thread."""
+    """One request's position in its grammar. Not thread-safe: drive it from the engine thread. ``keys``
+    follows the JSON the grammar produces to keep its objects' keys unique (`scheduler.json_keys`; None for
+    grammars of no JSON, set by `GrammarCompiler.matcher`)."""
 
     stop_ids: frozenset[int]
     vocab_size: int
+    keys: KeyTracker | None = None
 
     @abstractmethod
     def consume(self, token: int) -> bool:

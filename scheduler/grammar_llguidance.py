@@ -45,7 +45,7 @@ class LLGuidanceMatcher(GrammarMatcher):
     """A thin shell over an LLMatcher (a deep copy of the compiled template); stop ids are its EOS set;
     `closers`: `closing_candidates` of the tokenizer."""
 
-    __slots__ = ("_m", "closers", "stop_ids", "vocab_size")
+    __slots__ = ("_m", "closers", "keys", "stop_ids", "vocab_size")
 
     def __init__(self, matcher: LLMatcher, stop_ids: frozenset[int], vocab_size: int,
                  closers: tuple[int, ...] = ()) -> None:
@@ -53,6 +53,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size
         self.closers = closers
+        self.keys = None
 
     def consume(self, token: int) -> bool:
         return self._m.consume_token(int(token))
@@ -77,9 +78,12 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def closing_path(self, limit: int) -> list[int] | None:
         """Greedy on a copy of the matcher: the tokens the grammar forces, else the first of `closers` it
-        allows; a stop token once the output is complete. Every step is one the grammar allows, so the path
-        is a valid ending whenever it is found (not always the shortest one)."""
+        allows that closes no key on a used one (`keys`); a stop token once the output is complete. Every step
+        is one the grammar allows, so the path is a valid ending whenever it is found (not always the shortest
+        one)."""
         m, path = self._m.deep_copy(), []
+        lexer = self.keys.path_lexer() if self.keys is not None else None  # no key repeated on the way either
+        token_bytes = self.keys.quotes.token_bytes if self.keys is not None else None
         while len(path) < limit:
             if m.is_error():
                 return None
@@ -88,9 +92,13 @@ class LLGuidanceMatcher(GrammarMatcher):
             if m.is_accepting():
                 stop = next((t for t in sorted(self.stop_ids) if m.validate_tokens([t]) == 1), None)
                 return None if stop is None else [*path, stop]
-            step = m.compute_ff_tokens() or next(([t] for t in self.closers if m.validate_tokens([t]) == 1), None)
+            step = m.compute_ff_tokens() or next(
+                ([t] for t in self.closers if m.validate_tokens([t]) == 1
+                 and (lexer is None or not lexer.fork().repeats_in(token_bytes(t)))), None)
             if step is None or not m.consume_tokens(step):
                 return None
+            if lexer is not None:
+                lexer.repeats_in(b"".join(token_bytes(t) for t in step))
             path += step
         return None
 

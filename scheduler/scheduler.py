@@ -476,10 +476,13 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         constraint = seq.request.constraint
-        if constraint is not None and token not in self.stop_ids and not constraint.consume(token):
-            # The mask allowed it, so this means the grammar and the mask disagree: never pass it on.
-            self._finish(seq, FinishReason.ERROR, f"grammar rejected token {token}: {constraint.error}")
-            return
+        if constraint is not None and token not in self.stop_ids:
+            if not constraint.consume(token):
+                # The mask allowed it, so this means the grammar and the mask disagree: never pass it on.
+                self._finish(seq, FinishReason.ERROR, f"grammar rejected token {token}: {constraint.error}")
+                return
+            if constraint.keys is not None:
+                constraint.keys.feed_token(token)
         if token in self.stop_ids and not seq.request.ignore_eos:
             self._finish(seq, FinishReason.STOP)
             return

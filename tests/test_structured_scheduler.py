@@ -187,3 +187,67 @@ def test_a_document_that_would_be_cut_closes_within_max_tokens_and_validates(set
         assert not fin_off.budget_closed
     assert sum(f.budget_closed for _, _, f in closed) >= 3  # most of them would have been cut
     assert sched.stats.budget_closed == sum(f.budget_closed for _, _, f in closed)
+
+
+def no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), f"repeated key in {keys}"
+    return dict(pairs)
+
+
+def repeated_keys(text: str) -> bool:
+    try:
+        json.loads(text, object_pairs_hook=no_repeated_keys)
+    except AssertionError:
+        return True
+    return False
+
+
+def test_a_key_being_written_cannot_close_on_a_key_its_object_has(setup):
+    """The tracker follows nested objects, values and escapes: the tokens that would close the key being written
+    on a key its object has (spelled the same or with an escape) are the ones removed, and only those."""
+    _, tokenizer, compiler = setup
+    everything = np.full((VOCAB + 31) // 32, 0xFFFFFFFF, np.uint32)
+
+    def closing(document: bytes) -> set[str]:
+        tracker = compiler.matcher(compiler.compile(ConstraintSpec.json_object())).keys
+        tracker.feed(document)
+        return {tokenizer.decode([t]) for t in tracker.repeating(everything)}
+
+    nested = b'{"ab":1,"n":{"ab":[{"x":"ab"}],"z":2},"'
+    assert {'"', '":', '",'} <= closing(nested + b"ab") and '"' in closing(nested + b"n")
+    assert not closing(nested + b"x") and not closing(nested + b"z") and not closing(nested + b"abc")
+    assert not any(piece.startswith('"') for piece in closing(nested + b"a"))  # "a" is free; "ab" via b"
+    assert '"' in closing(b'{"a":1,"\\u0061')  # an escape spelling of the used key "a"
+    assert not any(piece.startswith('"') for piece in closing(b'{"a":1,"b":"a'))  # a value string, not a key
+    tracker = compiler.matcher(compiler.compile(ConstraintSpec.json_object())).keys
+    tracker.feed(b'{"ab":1,"ab')
+    narrowed = everything.copy()
+    assert tracker.drop_repeats(narrowed) > 0
+    assert not narrowed[tokenizer.encode('"', parse_special=False)[0] >> 5] >> np.uint32(
+        tokenizer.encode('"', parse_special=False)[0] & 31) & 1
+
+
+def test_open_objects_never_repeat_a_key(setup):
+    """A random model pushed (logit_bias) to write short keys and many of them repeats keys without the tracker,
+    never with it (a used key is extended instead); the outputs still validate."""
+    engine, tokenizer, compiler = setup
+    schema = {"type": "object", "additionalProperties": False,
+              "patternProperties": {"^[ab][0-9]*$": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    compiled = compiler.compile(ConstraintSpec.json_schema(schema))
+    (close_key,), (letter,), (next_key,), (close_object,) = (tokenizer.encode(t) for t in ('":', "a", ',"', "}"))
+    bias = ((close_key, 6.0), (letter, 6.0), (next_key, 6.0), (close_object, -100.0))
+
+    def outputs(track: bool) -> list[str]:
+        reqs = []
+        for i in range(8):
+            matcher = compiler.matcher(compiled)
+            matcher.keys = matcher.keys if track else None
+            reqs.append(GenerationRequest(prompt(700 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
+                                          max_tokens=48, constraint=matcher))
+        return [text for _, text, _ in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs)]
+
+    assert sum(repeated_keys(text) for text in outputs(track=False)) >= 2
+    for text in outputs(track=True):
+        assert not repeated_keys(text), text
+        jsonschema.validate(json.loads(text), schema)

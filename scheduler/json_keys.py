@@ -1,0 +1,183 @@
+"""No repeated keys in a generated JSON object: the host masks the token that would close a key already used in
+the object being written (docs/structured-output.md, "No repeated keys").
+
+A grammar engine enforces each declared property at most once, but an open object (`additionalProperties`,
+`patternProperties`, `json_object` mode) admits any key again, and a small model repeats one
+(`"p":"44","p":"45",...`). `KeyTracker` follows the bytes of the document as its tokens are accepted (a
+JSON lexer: open objects and arrays, whether a string is a key, the key's bytes so far, the keys each open
+object already has) and, while a key is being written, removes from the row's mask every allowed token that
+would close the key on one of those keys (compared decoded, so an escape spelling of a used key is caught
+too). The grammar's own mask still decides everything else. If every allowed token would repeat a key (a
+grammar whose keys are a finite set, all used), the mask is left as it is rather than leave none.
+
+`quote_tokens` lists the tokens that hold a quote byte (only those can close a key); it is built once per
+tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+QUOTE, BACKSLASH = 0x22, 0x5C
+OPEN_OBJECT, OPEN_ARRAY, CLOSERS, COMMA = 0x7B, 0x5B, (0x7D, 0x5D), 0x2C
+
+__all__ = ["KeyTracker", "QuoteTokens", "quote_tokens"]
+
+
+@dataclass(frozen=True)
+class QuoteTokens:
+    """Token ids [Q] whose bytes hold a quote, those bytes, which of them hold several quotes ([Q] bool), and
+    the tokenizer's bytes of any token."""
+
+    ids: np.ndarray
+    pieces: tuple[bytes, ...]
+    several: np.ndarray
+    index: dict[int, int]  # token id -> its position in `ids`
+    token_bytes: Callable[[int], bytes] = field(compare=False)
+
+
+def quote_tokens(tokenizer) -> QuoteTokens:
+    """Every non-special token of ``tokenizer`` whose bytes contain a quote."""
+    special = tokenizer.special_ids
+    found = [(i, piece) for i in range(tokenizer.vocab_size) if i not in special
+             and b'"' in (piece := tokenizer.token_bytes(i))]
+    return QuoteTokens(np.array([i for i, _ in found], np.int64), tuple(p for _, p in found),
+                       np.array([p.count(b'"') > 1 for _, p in found], bool),
+                       {i: n for n, (i, _) in enumerate(found)}, tokenizer.token_bytes)
+
+
+def _decoded(raw: bytes) -> str | None:
+    """A JSON string's value from its bytes between the quotes, or None when they are not a whole string."""
+    try:
+        return json.loads(b'"' + raw + b'"')
+    except ValueError:
+        return None
+
+
+@dataclass
+class _Lexer:
+    """Where a JSON text stands, byte by byte: the open containers (an object's keys so far, or None for an
+    array), whether it is inside a string and whether that string is a key, the key's bytes so far. `fork` is
+    cheap: the forks share the objects' key sets until one adds a key (copy on write)."""
+
+    frames: list[set[str] | None] = field(default_factory=list)
+    owned: list[bool] = field(default_factory=list)  # frames[i] may be changed in place
+    in_string: bool = False
+    escape: bool = False
+    is_key: bool = False
+    expect_key: bool = False
+    key: bytearray = field(default_factory=bytearray)
+
+    def fork(self) -> _Lexer:
+        return _Lexer(list(self.frames), [False] * len(self.frames), self.in_string, self.escape, self.is_key,
+                      self.expect_key, bytearray(self.key))
+
+    def repeats_in(self, data: bytes) -> bool:
+        """Advance over ``data``; True when it closed a key on one its object already had."""
+        return any([self.step(b) for b in data])
+
+    def step(self, b: int) -> bool:
+        """Advance one byte; True when it closed a key its object already had."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif b == BACKSLASH:
+                self.escape = True
+            elif b == QUOTE:
+                self.in_string = False
+                return self.is_key and self._add_key()
+            if self.is_key:
+                self.key.append(b)
+            return False
+        if b == QUOTE:
+            top_is_object = bool(self.frames) and self.frames[-1] is not None
+            self.in_string, self.is_key, self.expect_key = True, top_is_object and self.expect_key, False
+            self.key.clear()
+        elif b in (OPEN_OBJECT, OPEN_ARRAY):
+            self.frames.append(set() if b == OPEN_OBJECT else None)
+            self.owned.append(True)
+            self.expect_key = b == OPEN_OBJECT
+        elif b in CLOSERS:
+            if self.frames:
+                self.frames.pop()
+                self.owned.pop()
+            self.expect_key = False
+        elif b == COMMA:
+            self.expect_key = bool(self.frames) and self.frames[-1] is not None
+        return False
+
+    def _add_key(self) -> bool:
+        if not self.frames or self.frames[-1] is None:
+            return False
+        name = _decoded(bytes(self.key))
+        if name is None:
+            return False
+        if name in self.frames[-1]:
+            return True
+        if not self.owned[-1]:
+            self.frames[-1], self.owned[-1] = set(self.frames[-1]), True
+        self.frames[-1].add(name)
+        return False
+
+
+@dataclass
+class KeyTracker:
+    """One output's JSON lexer and its tokenizer's quote tokens. With `restart_at` (a tool-call marker) each
+    occurrence starts a new document; `armed` False skips the output until the first one (free text before a
+    call is not JSON)."""
+
+    quotes: QuoteTokens
+    restart_at: bytes = b""
+    armed: bool = True
+    lexer: _Lexer = field(default_factory=_Lexer)
+    _tail: bytes = b""  # the last bytes seen, to find `restart_at` across token boundaries
+
+    def feed_token(self, token: int) -> None:
+        """Advance over an accepted (non-stop) token."""
+        self.feed(self.quotes.token_bytes(token))
+
+    def feed(self, data: bytes) -> None:
+        """Advance over the bytes of accepted output."""
+        if self.restart_at:
+            seen = self._tail + data
+            at = seen.rfind(self.restart_at)
+            self._tail = seen[-len(self.restart_at):]
+            if at >= 0:  # a new call: a new document from here
+                self.lexer, self.armed = _Lexer(), True
+                data = seen[at + len(self.restart_at):]
+        if self.armed:
+            self.lexer.repeats_in(data)
+
+    def drop_repeats(self, row_mask: np.ndarray) -> int:
+        """Clear from ``row_mask`` ([ceil(V/32)] uint32, the grammar's) the tokens that would close a key on one
+        its object already has, unless that would leave no token; how many were cleared."""
+        repeats = self.repeating(row_mask)
+        if not repeats:
+            return 0
+        ids = np.asarray(repeats, np.int64)
+        kept = row_mask.copy()
+        np.bitwise_and.at(kept, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        if not kept.any():
+            return 0
+        row_mask[:] = kept
+        return len(repeats)
+
+    def repeating(self, row_mask: np.ndarray) -> list[int]:
+        """The allowed tokens (bits of ``row_mask``, [ceil(V/32)] uint32) that would close a key on one its
+        object already has: inside a key any token with a quote may; elsewhere only one with two or more
+        (it opens and closes a key itself)."""
+        lexer, quotes = self.lexer, self.quotes
+        if not self.armed or not lexer.frames:
+            return []
+        in_key = lexer.in_string and lexer.is_key
+        candidates = quotes.ids if in_key else quotes.ids[quotes.several]
+        allowed = candidates[(row_mask[candidates >> 5] >> (candidates & 31).astype(np.uint32)) & 1 == 1]
+        return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.pieces[quotes.index[token]])]
+
+    def path_lexer(self) -> _Lexer | None:
+        """A fork of the lexer for a closing path to check its tokens against (None: nothing is tracked)."""
+        return self.lexer.fork() if self.armed else None
