@@ -1,4 +1,5 @@
-"""The built-in Gemma turn template, for checkpoints without a chat template (e.g. the base 270M model).
+"""The built-in Gemma turn template, for instruction-tuned Gemma checkpoints that ship no chat template
+(`model.chat_template: gemma-turns`; a base checkpoint never learned these turn tokens).
 
 Layout (what Gemma's own template produces)::
 
@@ -14,48 +15,15 @@ the same side are merged so user and model strictly alternate.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from agents.messages import TemplateError, message_text, normalize_messages
+from agents.messages import message_text, normalize_messages
+from agents.prompt_text import PromptBuilder, tools_instructions
 from core.tokenizer import Tokenizer
-from scheduler.tool_protocol import TOOL_CALL_MARKER
 
-__all__ = ["render_gemma", "tools_instructions"]
+__all__ = ["render_gemma"]
 
 _SEPARATOR = "\n\n"
-
-
-def tools_instructions(tools: list[dict[str, Any]]) -> str:
-    """How the model learns its functions and the scheduler's call format (`TOOL_CALL_MARKER` + JSON)."""
-    lines = ["You can call these functions:"]
-    for tool in tools:
-        fn = tool.get("function", tool)
-        entry = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
-        lines.append(json.dumps(entry, ensure_ascii=False, separators=(",", ":")))
-    lines.append(
-        f'To call one, reply with {TOOL_CALL_MARKER}{{"name":<function name>,"arguments":<arguments object>}} '
-        "and nothing else."
-    )
-    return "\n".join(lines)
-
-
-class _Builder:
-    """Accumulates ids; text is always tokenized piece by piece with special parsing off."""
-
-    def __init__(self, tok: Tokenizer) -> None:
-        self.tok = tok
-        self.ids: list[int] = []
-
-    def control(self, token: str) -> None:
-        token_id = self.tok.token_to_id(token)
-        if token_id is None or token_id not in self.tok.special_ids:
-            raise TemplateError(f"the tokenizer has no {token} control token (the built-in template is Gemma's)")
-        self.ids.append(token_id)
-
-    def text(self, text: str) -> None:
-        if text:
-            self.ids.extend(self.tok.encode(text, parse_special=False))
 
 
 def _turns(messages: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
@@ -103,10 +71,8 @@ def render_gemma(
     client_system = [t for m in messages[:lead] if (t := m["content"].strip())]
     turns = _turns(messages[lead:])
 
-    b = _Builder(tok)
-    if tok.bos_id is None:
-        raise TemplateError("the tokenizer has no BOS token")
-    b.ids.append(tok.bos_id)
+    b = PromptBuilder(tok)
+    b.bos()
     b.control("<start_of_turn>")
     b.text("user\n")
     system_end = len(b.ids)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.chat_template import ChatTemplate, PromptTooLongError, RenderedPrompt
+from agents.chat_template import DEFAULT_BUILTIN, ChatTemplate, PromptTooLongError, RenderedPrompt
 from agents.messages import normalize_messages
 from agents.spec import AgentSpec
 from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
@@ -60,6 +60,8 @@ class RuntimeOptions:
     dtype: str | None = None  # None: chosen per device
     kv_dtype: str | None = None  # "int8", a float dtype or "compute"; None: chosen (core.device.choose_kv_dtype)
     precision: str | None = None  # "float" | "w8a8"; None: chosen per device (core.device.choose_precision)
+    # The built-in chat template for a checkpoint without its own (agents.chat_template.BUILTIN_TEMPLATES).
+    chat_template: str = DEFAULT_BUILTIN
     # Each default below is the one its owner states (the engine's, the scheduler's, the grammar compiler's);
     # the server's config and the CLI take theirs from here.
     num_slots: int = EngineConfig.num_slots
@@ -181,7 +183,7 @@ def assemble_runtime(
     )
     return Runtime(
         engine=engine, scheduler=scheduler, tokenizer=tokenizer, compiler=compiler,
-        template=ChatTemplate(tokenizer), model_name=model_name, dtype=engine.dtype,
+        template=ChatTemplate(tokenizer, builtin=options.chat_template), model_name=model_name, dtype=engine.dtype,
         dtype_reason=dtype_reason, precision=precision, precision_reason=precision_reason,
         kv_dtype_reason=kv_dtype_reason, load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
         weights_from_cache=weights_from_cache,
@@ -698,7 +700,7 @@ class ChatService:
                                      f"{self.runtime.max_len} including at least one generated token")
         wanted = p.max_tokens or agent.defaults.max_tokens or self.default_max_tokens
         max_tokens = min(wanted, room, self.max_tokens_limit or wanted)
-        stop = p.stop if p.stop is not None else (agent.defaults.stop or [])
+        stop = [*(p.stop if p.stop is not None else (agent.defaults.stop or [])), *rendered.stop]
         request = GenerationRequest(
             prompt_ids=tuple(rendered.ids),
             sampling=sampling,
@@ -739,11 +741,12 @@ class ChatService:
         ``call_ids``: the ids the stream already gave the calls. A call cut short by max_tokens is still the
         call it was becoming (finish reason "length"), never leaked into the content. ``budget_closed``: the
         scheduler closed the output to fit max_tokens (its finish reason stays the natural one)."""
-        outcome = self._outcome(gen, text, reason, call_ids)
+        outcome = ChatService._outcome(gen, text, reason, call_ids)
         outcome.budget_closed = budget_closed
         return outcome
 
-    def _outcome(self, gen: Generation, text: str, reason: FinishReason, call_ids: list[str] | None) -> Outcome:
+    @staticmethod
+    def _outcome(gen: Generation, text: str, reason: FinishReason, call_ids: list[str] | None) -> Outcome:
         finish = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(reason, str(reason))
         if gen.tool_mode is not None:
             after_text = gen.spec.answer_schema is None

@@ -28,6 +28,9 @@ class ModelSection(_Section):
     # None: chosen per device (int8 on CPU with W8A8, else the compute dtype); "compute" forces the latter
     kv_dtype: Literal["compute", "int8", "float32", "bfloat16", "float16"] | None = None
     precision: Literal["float", "f32", "w8a8"] | None = None  # None: chosen per device
+    # For a checkpoint without a chat template of its own: a plain transcript (what a base model continues)
+    # or Gemma's turn tokens (an instruction-tuned checkpoint that ships no template).
+    chat_template: Literal["transcript", "gemma-turns"] = RUNTIME.chat_template
     slots: int = Field(RUNTIME.num_slots, ge=1)
     max_len: int = Field(RUNTIME.max_len, ge=16)
     chunk_sizes: list[int] = Field(default_factory=lambda: list(RUNTIME.chunk_sizes), min_length=1)
@@ -116,7 +119,8 @@ class ServerConfig(_Section):
     def runtime_options(self) -> RuntimeOptions:
         m, s, g = self.model, self.scheduler, self.grammar
         return RuntimeOptions(
-            model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, precision=m.precision, num_slots=m.slots,
+            model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, precision=m.precision, chat_template=m.chat_template,
+            num_slots=m.slots,
             max_len=m.max_len,
             chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache,
             background_compile=m.background_compile, prefill_budget=s.prefill_budget,
