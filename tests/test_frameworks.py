@@ -200,6 +200,10 @@ def test_openai_agents_sdk_on_responses_and_on_chat_completions(server, base_url
         assert got["calls"] == ["Paris"] or got["calls"] == ["Oslo"]  # the forced call ran once
         assert got["tool_output"] == f"Sunny in {got['calls'][0]}"
         assert Weather(**got["typed"]) and Weather(**got["second"])
+        # A tool and a typed output on one agent: one call, then the typed answer (no call loop to max_turns;
+        # under Gemma's turn tokens the base model called the tool again until MaxTurnsExceeded).
+        assert got["tool_then_typed"]["typed"] is not None, got["tool_then_typed"]
+        assert len(got["tool_then_typed"]["calls"]) == 1 and Weather(**got["tool_then_typed"]["typed"])
     chained = httpx.get(f"{base_url}/responses/{results['responses']['second_id']}").json()
     assert chained["previous_response_id"] == results["responses"]["first_id"]
     assert chained["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the first turn's prefix was reused

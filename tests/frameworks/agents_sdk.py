@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from agents import (
     Agent,
+    MaxTurnsExceeded,
     ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
@@ -57,6 +58,17 @@ async def run_model(model) -> dict:
     else:
         second = await Runner.run(typed_agent, [*first.to_input_list(), {"role": "user", "content": "And in Oslo?"}])
     out["second"] = second.final_output.model_dump()
+    CALLS.clear()
+    # One agent with a tool and a typed output, the tool required on the first turn (the SDK resets tool_choice
+    # after a call): it must call the tool, read the result and end with the typed output, not call again.
+    both = Agent(name="both", instructions="Look the weather up with get_weather, then report it.", model=model,
+                 tools=[get_weather], output_type=Weather,
+                 model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice="required"))
+    try:
+        run = await Runner.run(both, "What is the weather in Oslo?", max_turns=6)
+        out["tool_then_typed"] = {"calls": list(CALLS), "typed": run.final_output.model_dump()}
+    except MaxTurnsExceeded:
+        out["tool_then_typed"] = {"calls": list(CALLS), "typed": None}
     CALLS.clear()
     return out
 
