@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from agents.messages import message_text, normalize_messages
-from agents.prompt_text import PromptBuilder, tools_instructions
+from agents.prompt_text import PromptBuilder, leading_system_count, system_texts
 from core.tokenizer import Tokenizer
 
 __all__ = ["render_gemma"]
@@ -64,11 +64,8 @@ def render_gemma(
     text and each turn end (a later request of the conversation repeats the ids before each)."""
     messages = normalize_messages(messages)
     # Leading system messages from the client extend the system text, after the agent's own.
-    lead = 0
-    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
-        lead += 1
-    agent_system = [t for t in (system_prompt.strip(), tools_instructions(tools) if tools else "") if t]
-    client_system = [t for m in messages[:lead] if (t := m["content"].strip())]
+    lead = leading_system_count(messages)
+    agent_system, client_system = system_texts(system_prompt, tools, messages[:lead])
     turns = _turns(messages[lead:])
 
     b = PromptBuilder(tok)

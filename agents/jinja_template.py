@@ -32,6 +32,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from agents.messages import TemplateError, normalize_messages
+from agents.prompt_text import leading_system_count
 from core.tokenizer import Tokenizer
 
 __all__ = ["SandboxedChatTemplate", "checkpoint_template"]
@@ -101,9 +102,7 @@ class SandboxedChatTemplate:
 
         # The agent's prompt and the client's leading system messages form one system message (most
         # templates accept only one, first); its pieces stay separate so the agent part is a prefix.
-        lead = 0
-        while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
-            lead += 1
+        lead = leading_system_count(messages)
         system_pieces: list[str] = []
         for text in [system_prompt, *(m["content"] for m in messages[:lead])]:
             if text:

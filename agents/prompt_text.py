@@ -10,7 +10,24 @@ from agents.messages import TemplateError
 from core.tokenizer import Tokenizer
 from scheduler.tool_protocol import TOOL_CALL_MARKER
 
-__all__ = ["PromptBuilder", "tools_instructions"]
+__all__ = ["PromptBuilder", "leading_system_count", "system_texts", "tools_instructions"]
+
+
+def leading_system_count(messages: list[dict[str, Any]]) -> int:
+    """How many messages at the start are the client's system (or developer) messages: they extend the
+    agent's system text rather than being turns."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    return lead
+
+
+def system_texts(system_prompt: str, tools: list[dict[str, Any]] | None, client: list[dict[str, Any]]
+                 ) -> tuple[list[str], list[str]]:
+    """(the agent's system pieces: its prompt and its tools' description; the client's leading system texts),
+    empty pieces left out."""
+    agent = [t for t in (system_prompt.strip(), tools_instructions(tools) if tools else "") if t]
+    return agent, [t for m in client if (t := m["content"].strip())]
 
 
 def tools_instructions(tools: list[dict[str, Any]]) -> str:

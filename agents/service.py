@@ -21,6 +21,7 @@ from typing import Any
 
 from agents.chat_template import DEFAULT_BUILTIN, ChatTemplate, PromptTooLongError, RenderedPrompt
 from agents.messages import normalize_messages
+from agents.prompt_text import leading_system_count
 from agents.spec import AgentSpec
 from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
 from agents.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
@@ -554,9 +555,7 @@ class ChatService:
         except PromptTooLongError:
             if truncation != "auto":
                 raise
-        lead = 0
-        while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
-            lead += 1
+        lead = leading_system_count(messages)
         cuts = [i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"]  # where turns start
         lo, hi, best = 0, len(cuts) - 1, None  # the fewest turns dropped that fit: binary search over cuts
         while lo <= hi:

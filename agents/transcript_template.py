@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from agents.messages import message_text, normalize_messages
-from agents.prompt_text import PromptBuilder, tools_instructions
+from agents.prompt_text import PromptBuilder, leading_system_count, system_texts
 from core.tokenizer import Tokenizer
 
 __all__ = ["MARKERS", "STOP_STRINGS", "neutralise_markers", "render_transcript"]
@@ -75,11 +75,8 @@ def render_transcript(
     counts the leading ids fixed by ``system_prompt`` and ``tools`` alone (shared by every session of the
     agent); boundaries are where the system text and each message end."""
     messages = normalize_messages(messages)
-    lead = 0  # leading system messages from the client extend the system text, after the agent's own
-    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
-        lead += 1
-    agent_system = [t for t in (system_prompt.strip(), tools_instructions(tools) if tools else "") if t]
-    client_system = [t for m in messages[:lead] if (t := m["content"].strip())]
+    lead = leading_system_count(messages)  # the client's leading system messages follow the agent's own text
+    agent_system, client_system = system_texts(system_prompt, tools, messages[:lead])
 
     b = PromptBuilder(tok)
     b.bos()

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.agents_http import host, wait_healthy  # noqa: E402 - after the path set-up that makes it importable
-from benchmarks.structured_http import free_port  # noqa: E402
+from benchmarks.structured_http import free_port, start_server  # noqa: E402
 
 # (prompt, accepted words): any one of them in the answer counts as correct
 PROMPTS: list[tuple[str, tuple[str, ...]]] = [
@@ -69,16 +67,6 @@ PROMPTS: list[tuple[str, tuple[str, ...]]] = [
 ]
 TEMPLATES = ("gemma-turns", "transcript")
 SYSTEM_ECHO = "helpful, honest assistant"  # from configs/agents/assistant.yaml
-
-
-def start_server(template: str, port: int, log: Path) -> subprocess.Popen:
-    config = Path(tempfile.mkdtemp()) / "chat.yaml"
-    config.write_text(f"model:\n  slots: 8\n  max_len: 2048\n  chat_template: {template}\n"
-                      f"server:\n  port: {port}\n  log_level: warning\n")
-    code = "import sys; from server.cli import main; sys.exit(main())"
-    return subprocess.Popen([sys.executable, "-c", code, "serve", "--config", str(config)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
 
 
 async def ask(client: httpx.AsyncClient, url: str, prompt: str, temperature: float, seed: int,
@@ -130,11 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                               "templates": {}}
     for template in args.templates.split(","):
         port = free_port()
-        log = Path(tempfile.mkdtemp()) / "server.log"
-        proc = start_server(template, port, log)
+        proc = start_server(ROOT, port, args.max_tokens, f"  chat_template: {template}\n")
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, log, "/ready", timeout=900, every_program=True)
+            wait_healthy(url, proc, Path("(no log kept)"), "/ready", timeout=900, every_program=True)
             begin = time.monotonic()
             result["templates"][template] = asyncio.run(run_template(url, temperatures, args.max_tokens))
             result["templates"][template]["seconds"] = round(time.monotonic() - begin, 1)

@@ -10,7 +10,7 @@ server's CPU defaults: W8A8, int8 KV; 8 slots x 2048), then sends, 8 in flight:
 * JSON-schema requests (response_format json_schema) for a fixed seeded sample of the vendored
   JSONSchemaBench schemas, the prompt naming the schema and its top-level properties;
 * tool calls: a one-argument and a three-argument function, tool_choice required and auto.
-Sampling is temperature 0.7 with a per-request seed (greedy outputs that repeat would flatter).
+Sampling is temperature 0.7 (``--temperature``) with a per-request seed (greedy outputs that repeat would flatter).
 Each outcome: refused (HTTP 400 naming a feature), valid (finished, validates), invalid (finished, does not
 validate: must be 0), cut (finish_reason length), error. The server's own mask timings come from /metrics.
 """
@@ -59,9 +59,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tree: Path, port: int, max_tokens: int) -> subprocess.Popen:
+def start_server(tree: Path, port: int, max_tokens: int, model_settings: str = "") -> subprocess.Popen:
+    """`slotserve serve` from ``tree``: default model, 8 slots x 2048; ``model_settings``: more YAML lines
+    of the model section."""
     config = Path(tempfile.mkdtemp()) / "bench.yaml"
-    config.write_text(f"model:\n  slots: 8\n  max_len: 2048\n  chunk_sizes: [32, 128, 512]\n"
+    config.write_text(f"model:\n  slots: 8\n  max_len: 2048\n  chunk_sizes: [32, 128, 512]\n{model_settings}"
                       f"limits:\n  max_tokens: {max_tokens}\nserver:\n  port: {port}\n  log_level: warning\n")
     code = "import sys; from server.cli import main; sys.exit(main())"
     return subprocess.Popen([sys.executable, "-c", code, "serve", "--config", str(config)], cwd=tree,
@@ -69,7 +71,7 @@ def start_server(tree: Path, port: int, max_tokens: int) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
-def schema_requests(count: int, seed: int, max_tokens: int) -> list[dict[str, Any]]:
+def schema_requests(count: int, seed: int, max_tokens: int, temperature: float) -> list[dict[str, Any]]:
     files = sorted(SUITE.glob("*.json"))
     chosen = random.Random(seed).sample(files, count)
     out = []
@@ -80,20 +82,20 @@ def schema_requests(count: int, seed: int, max_tokens: int) -> list[dict[str, An
         prompt = f"Write one realistic JSON document for the schema {name!r}" + (
             f" with the fields {', '.join(fields)}." if fields else ".")
         out.append({"kind": "schema", "name": path.name, "schema": schema, "body": {
-            "model": "assistant", "max_tokens": max_tokens, "temperature": 0.7, "seed": i,
+            "model": "assistant", "max_tokens": max_tokens, "temperature": temperature, "seed": i,
             "messages": [{"role": "user", "content": prompt}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}}})
     return out
 
 
-def tool_requests(max_tokens: int) -> list[dict[str, Any]]:
+def tool_requests(max_tokens: int, temperature: float) -> list[dict[str, Any]]:
     asks = ["What is the weather in Oslo?", "Book me a flight from Paris to Rome on 2026-12-24.",
             "Is it raining in Lima?"]
     out = []
     for i in range(12):
         choice = "required" if i % 2 == 0 else "auto"
         out.append({"kind": "tool", "name": f"tool-{choice}-{i}", "body": {
-            "model": "assistant", "max_tokens": max_tokens, "temperature": 0.7, "seed": 100 + i, "tools": TOOLS,
+            "model": "assistant", "max_tokens": max_tokens, "temperature": temperature, "seed": 100 + i, "tools": TOOLS,
             "tool_choice": choice, "messages": [{"role": "user", "content": asks[i % len(asks)]}]}})
     return out
 
@@ -107,6 +109,7 @@ def classify(req: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str
     tokens = body["usage"]["completion_tokens"]
     if choice["finish_reason"] == "length":
         return {"outcome": "cut", "tokens": tokens}
+    closed = {"budget_closed": True} if choice.get("budget_closed") else {}
     message = choice["message"]
     try:
         if req["kind"] == "schema":
@@ -118,8 +121,8 @@ def classify(req: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str
         else:
             return {"outcome": "text", "tokens": tokens}  # tool_choice auto answered in text
     except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as e:
-        return {"outcome": "invalid", "tokens": tokens, "why": str(e)[:200]}
-    return {"outcome": "valid", "tokens": tokens}
+        return {"outcome": "invalid", "tokens": tokens, "why": str(e)[:200], **closed}
+    return {"outcome": "valid", "tokens": tokens, **closed}
 
 
 async def run_all(url: str, requests: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
@@ -148,7 +151,7 @@ def summary(results: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     for r in mine:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     constrained = [r for r in mine if r["outcome"] != "refused"]
-    return {"requests": len(mine), **counts,
+    return {"requests": len(mine), **counts, "budget_closed": sum(bool(r.get("budget_closed")) for r in mine),
             "finished_valid_share_of_constrained": round(counts.get("valid", 0) / max(len(constrained), 1), 3)}
 
 
@@ -160,6 +163,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="after")
+    parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "structured-http-cpu.json")
     args = parser.parse_args()
     port = free_port()
@@ -167,7 +171,8 @@ def main() -> None:
     proc = start_server(args.tree.resolve(), port, args.max_tokens)
     try:
         ready_s = wait_healthy(url, proc, Path("(no log kept)"), "/ready", 1200, every_program=True)
-        requests = schema_requests(args.schemas, args.seed, args.max_tokens) + tool_requests(args.max_tokens)
+        requests = (schema_requests(args.schemas, args.seed, args.max_tokens, args.temperature)
+                    + tool_requests(args.max_tokens, args.temperature))
         begin = time.perf_counter()
         results = asyncio.run(run_all(url, requests, args.concurrency))
         wall = time.perf_counter() - begin
@@ -177,7 +182,8 @@ def main() -> None:
         proc.wait(60)
     tree_commit = subprocess.run(["git", "-C", str(args.tree), "rev-parse", "HEAD"], capture_output=True,
                                  text=True).stdout.strip()
-    run = {"label": args.label, "tree_commit": tree_commit, "host": host(), "ready_s": round(ready_s, 1),
+    run = {"label": args.label, "tree_commit": tree_commit, "host": host(), "temperature": args.temperature,
+           "ready_s": round(ready_s, 1),
            "wall_s": round(wall, 1),
            "schemas": summary(results, "schema"), "tools": summary(results, "tool"), "mask": masks,
            "results": results}
@@ -187,7 +193,7 @@ def main() -> None:
         "host": host(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "workload": f"{args.schemas} JSONSchemaBench schemas (seed {args.seed}) + 12 tool calls, max_tokens "
-                    f"{args.max_tokens}, temperature 0.7, {args.concurrency} in flight, default model via HTTP"})
+                    f"{args.max_tokens}, temperature per run, {args.concurrency} in flight, default model via HTTP"})
     report.setdefault("runs", {})[args.label] = run
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in run.items() if k != "results"}, indent=1))
