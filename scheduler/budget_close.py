@@ -2,13 +2,15 @@
 steered, near the end, along a closing path of its grammar, so the client gets a complete, valid document
 instead of a truncated one (docs/structured-output.md, "Closing within the budget").
 
-Per constrained sequence (`BudgetClose`), while the grammar's output is not complete, the scheduler asks
-`GrammarMatcher.closing_path` how many tokens would end it from the current state: every RECHECK_TOKENS
-tokens, and at every step once the budget left comes within RECHECK_TOKENS of that length. When the tokens
-left are at most the path's length + CLOSE_SLACK (and at least its length), the sequence closes: from then
-on its mask allows only the path's next token. The path is a valid ending by construction (each step is one
-the grammar allows), so the document validates. If a path does not fit any more (one sampled token raised
-the closing length by more than the slack) the sequence runs to max_tokens as before: `length`.
+Per constrained sequence (`BudgetClose`), unless it is writing free text (tool choice auto), the scheduler
+asks `GrammarMatcher.closing_path` how many tokens would end it from the current state: from FIRST_MEASURE
+tokens before the budget on, every RECHECK_TOKENS tokens, and at every step once the budget left comes
+within RECHECK_TOKENS of that length. When the tokens left are at most the path's length + CLOSE_SLACK (and
+at least its length), the sequence closes: from then on its mask allows only the path's next token. The
+path is a valid ending by construction (each step is one the grammar allows), so the document validates.
+If a path does not fit any more (one sampled token raised the closing length by more than the slack, or a
+document needs more than FIRST_MEASURE tokens to close), the sequence runs to max_tokens as before:
+`length`. The grammar's mask is filled in any case; the closing rule only narrows it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from scheduler.grammar_backends import GrammarMatcher
 
 CLOSE_SLACK = 3  # close this many tokens before the budget would stop fitting the path, for what a token adds
+FIRST_MEASURE = 96  # the closing length is first measured when this many tokens are left (most outputs end
+                    # before: they pay nothing)
 RECHECK_TOKENS = 16  # how stale a measured closing length may get while the budget is far from it
 PATH_LIMIT = 512  # longest closing path searched for (a longer ending never fits a sensible budget)
 
@@ -38,9 +42,11 @@ class BudgetClose:
         if self.closing:
             self._advance(generated)
             return self.path[0] if self.path else None
-        if matcher.is_accepting():
-            return None  # the output may end here: the model stops it or not, nothing is cut
+        if matcher.is_accepting() and matcher.keys is not None and not matcher.keys.armed:
+            return None  # free text (before any tool call) may end anywhere: nothing to close
         left = max_tokens - generated
+        if left > FIRST_MEASURE:
+            return None
         stale = generated - self.measured_at >= RECHECK_TOKENS or self.measured_at < 0
         near = self.path is not None and left <= len(self.path) + CLOSE_SLACK + RECHECK_TOKENS
         if stale or near:

@@ -6,6 +6,7 @@ import json
 import re
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -28,17 +29,39 @@ from scheduler.tool_protocol import TOOL_CALL_MARKER, call_head
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher", "fill_llguidance_masks", "llguidance_tokenizer"]
 
 
-# The order in which a closing path tries one-character tokens: close a string, object or array first, then the
-# shortest values and separators, then any other character (a string's minLength or pattern, a key's name).
-# A quote comes first, so inside a string a closing brace is never taken for content while the quote would do.
-CLOSING_ORDER = '"}]0,:[{tfn' + "abcdefghijklmopqrsuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ123456789"
+# The order in which a closing path tries one-character tokens outside a string: close an object or array, then
+# the shortest values, the separators, then any other character (a key's name; a regex's text).
+STRUCTURE_ORDER = '}]0"[{,:tfn'
+# Inside a string: the closing quote, else content, letters and digits before punctuation (a pattern is more
+# often about word characters); content is taken round-robin (`Closers.content`), so a pattern that wants a
+# character the string lacks gets it after at most one pass over the alphabet.
+CONTENT_ORDER = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
-def closing_candidates(tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The ids of one-character tokens for printable ASCII, in CLOSING_ORDER first, then the rest."""
-    order = CLOSING_ORDER + "".join(chr(c) for c in range(32, 127) if chr(c) not in CLOSING_ORDER)
-    ids = [tokenizer.encode(c, parse_special=False) for c in order]
-    return tuple(i[0] for i in ids if len(i) == 1)
+LONGEST_RUN = 8  # a closing path takes one token at most this many times in a row, so it cannot spin in content
+
+
+@dataclass(frozen=True)
+class Closers:
+    """One-character token ids a closing path tries: `structure` outside strings, `quote` then `content`
+    (rotated per step) inside one."""
+
+    structure: tuple[int, ...]
+    quote: int | None
+    content: tuple[int, ...]
+
+
+def closing_candidates(tokenizer: Tokenizer) -> Closers:
+    """The one-character tokens of printable ASCII, in the orders `Closers` describes."""
+    def ids(chars: str) -> tuple[int, ...]:
+        pieces = [tokenizer.encode(c, parse_special=False) for c in chars]
+        return tuple(p[0] for p in pieces if len(p) == 1)
+
+    printable = "".join(chr(c) for c in range(32, 127))
+    rest = "".join(c for c in printable if c not in STRUCTURE_ORDER + CONTENT_ORDER)
+    quote = ids('"')
+    return Closers(ids(STRUCTURE_ORDER + CONTENT_ORDER + rest), quote[0] if quote else None,
+                   ids(CONTENT_ORDER + "".join(c for c in rest + STRUCTURE_ORDER if c != '"')))
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -48,7 +71,7 @@ class LLGuidanceMatcher(GrammarMatcher):
     __slots__ = ("_m", "closers", "keys", "stop_ids", "vocab_size")
 
     def __init__(self, matcher: LLMatcher, stop_ids: frozenset[int], vocab_size: int,
-                 closers: tuple[int, ...] = ()) -> None:
+                 closers: Closers | None = None) -> None:
         self._m = matcher
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size
@@ -77,12 +100,15 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.get_error() or None
 
     def closing_path(self, limit: int) -> list[int] | None:
-        """Greedy on a copy of the matcher: the tokens the grammar forces, else the first of `closers` it
-        allows that closes no key on a used one (`keys`); a stop token once the output is complete. Every step
-        is one the grammar allows, so the path is a valid ending whenever it is found (not always the shortest
-        one)."""
-        m, path = self._m.deep_copy(), []
-        lexer = self.keys.path_lexer() if self.keys is not None else None  # no key repeated on the way either
+        """Greedy on a copy of the matcher: the tokens the grammar forces, else the first one-character token
+        it allows (`Closers`: closing quote or content inside a JSON string, closing brackets and short values
+        outside) that closes no key on a used one (`keys`, whose lexer also says where strings are); a stop
+        token once the output is complete. Every step is one the grammar allows, so the path is a valid ending
+        whenever it is found, not always the shortest one."""
+        if self.closers is None:
+            return None
+        m, path, closers = self._m.deep_copy(), [], self.closers
+        lexer = self.keys.path_lexer() if self.keys is not None else None  # strings, and no key repeated
         token_bytes = self.keys.quotes.token_bytes if self.keys is not None else None
         while len(path) < limit:
             if m.is_error():
@@ -92,8 +118,15 @@ class LLGuidanceMatcher(GrammarMatcher):
             if m.is_accepting():
                 stop = next((t for t in sorted(self.stop_ids) if m.validate_tokens([t]) == 1), None)
                 return None if stop is None else [*path, stop]
+            if lexer is not None and lexer.in_string:
+                turn = len(path) % len(closers.content)
+                order = (closers.quote, *closers.content[turn:], *closers.content[:turn])
+            else:
+                order = closers.structure
+            run = path[-LONGEST_RUN:]
+            stuck = run[0] if len(run) == LONGEST_RUN and len(set(run)) == 1 else None  # e.g. "0000..." content
             step = m.compute_ff_tokens() or next(
-                ([t] for t in self.closers if m.validate_tokens([t]) == 1
+                ([t] for t in order if t is not None and t != stuck and m.validate_tokens([t]) == 1
                  and (lexer is None or not lexer.fork().repeats_in(token_bytes(t)))), None)
             if step is None or not m.consume_tokens(step):
                 return None
@@ -250,7 +283,7 @@ def llguidance_error(spec: ConstraintSpec, message: str) -> UnsupportedConstrain
 
 class LLGuidanceBackend(Backend):
     name = "llguidance"
-    _closers: tuple[int, ...] | None = None  # closing_candidates, made on the first matcher
+    _closers: Closers | None = None  # closing_candidates, made on the first matcher
 
     def warm_up(self) -> None:
         llguidance_tokenizer(self.tokenizer, self.vocab_size)

@@ -30,14 +30,22 @@ __all__ = ["KeyTracker", "QuoteTokens", "quote_tokens"]
 
 @dataclass(frozen=True)
 class QuoteTokens:
-    """Token ids [Q] whose bytes hold a quote, those bytes, which of them hold several quotes ([Q] bool), and
-    the tokenizer's bytes of any token."""
+    """Token ids [Q] whose bytes hold a quote, those bytes, how many quotes each holds ([Q]), and the
+    tokenizer's bytes of any token."""
 
     ids: np.ndarray
     pieces: tuple[bytes, ...]
-    several: np.ndarray
+    quotes: np.ndarray
     index: dict[int, int]  # token id -> its position in `ids`
     token_bytes: Callable[[int], bytes] = field(compare=False)
+    _at_least: dict[int, np.ndarray] = field(default_factory=dict, compare=False)
+
+    def with_at_least(self, n: int) -> np.ndarray:
+        """The ids of the tokens holding at least ``n`` quotes (2 or 3: kept, they are asked for every step)."""
+        found = self._at_least.get(n)
+        if found is None:
+            found = self._at_least[n] = self.ids[self.quotes >= n]
+        return found
 
 
 def quote_tokens(tokenizer) -> QuoteTokens:
@@ -46,7 +54,7 @@ def quote_tokens(tokenizer) -> QuoteTokens:
     found = [(i, piece) for i in range(tokenizer.vocab_size) if i not in special
              and b'"' in (piece := tokenizer.token_bytes(i))]
     return QuoteTokens(np.array([i for i, _ in found], np.int64), tuple(p for _, p in found),
-                       np.array([p.count(b'"') > 1 for _, p in found], bool),
+                       np.array([p.count(b'"') for _, p in found], np.int64),
                        {i: n for n, (i, _) in enumerate(found)}, tokenizer.token_bytes)
 
 
@@ -168,15 +176,25 @@ class KeyTracker:
 
     def repeating(self, row_mask: np.ndarray) -> list[int]:
         """The allowed tokens (bits of ``row_mask``, [ceil(V/32)] uint32) that would close a key on one its
-        object already has: inside a key any token with a quote may; elsewhere only one with two or more
-        (it opens and closes a key itself)."""
+        object already has."""
         lexer, quotes = self.lexer, self.quotes
-        if not self.armed or not lexer.frames:
-            return []
-        in_key = lexer.in_string and lexer.is_key
-        candidates = quotes.ids if in_key else quotes.ids[quotes.several]
+        if not self.armed or not any(lexer.frames):
+            return []  # no object has a key yet: nothing can repeat
+        # A token can close a key on a used one if it closes the key being written (one quote: only when a used
+        # key starts like it), or opens and closes one (two quotes), or ends the string it is in first (three).
+        needed = 1 if self._key_may_repeat() else 3 if lexer.in_string and not lexer.is_key else 2
+        candidates = quotes.with_at_least(needed) if needed > 1 else quotes.ids
         allowed = candidates[(row_mask[candidates >> 5] >> (candidates & 31).astype(np.uint32)) & 1 == 1]
         return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.pieces[quotes.index[token]])]
+
+    def _key_may_repeat(self) -> bool:
+        """Inside a key that a used key of its object starts with (as far as its bytes decode): any quote
+        token may close it on that key; otherwise only a token holding several quotes can close a key."""
+        lexer = self.lexer
+        if not (lexer.in_string and lexer.is_key and lexer.frames and lexer.frames[-1]):
+            return False
+        prefix = _decoded(bytes(lexer.key))
+        return prefix is None or any(name.startswith(prefix) for name in lexer.frames[-1])
 
     def path_lexer(self) -> _Lexer | None:
         """A fork of the lexer for a closing path to check its tokens against (None: nothing is tracked)."""
