@@ -511,3 +511,34 @@ def benchmark(num_slots: int = 8, vocab: int = 262144, iters: int = 30) -> None:
 
 if __name__ == "__main__":
     benchmark()
+
+
+# ------------------------------------------------------------------------------------- an external reference
+
+
+def test_repetition_penalty_and_bias_equal_transformers_logits_processors():
+    """The repetition penalty means what transformers' RepetitionPenaltyLogitsProcessor (the reference vLLM and
+    llama.cpp follow: divide a seen token's positive logit, multiply a negative one, over prompt and output) and
+    its SequenceBiasLogitsProcessor compute: the sampler's logprobs (log_softmax of its processed logits) equal
+    log_softmax of transformers' processed scores for the same prompt + output ids."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 3, size=(S, V)).astype(np.float32)
+    penalties = [1.0, 1.1, 1.3, 2.0, 0.8, 1.5, 1.05, 3.0]
+    prompts = [list(rng.integers(0, V, size=int(rng.integers(0, 40)))) for _ in range(S)]
+    bias = ((int(rng.integers(0, V)), 2.5), (int(rng.integers(0, V)), -4.0))
+    params = [SamplingParams(temperature=0.0, repetition_penalty=p, logit_bias=bias) for p in penalties]
+    state = make_state(params, prompts=prompts)
+    *_, top_ids, top_lps, _ = SAMPLE(jnp.asarray(logits), state, None, steps(0), ACTIVE, num_top=V)
+    got = np.full((S, V), -np.inf)
+    np.put_along_axis(got, np.asarray(top_ids), np.asarray(top_lps, np.float64), axis=1)
+    for row in range(S):
+        ids = torch.tensor([prompts[row] or [0]], dtype=torch.long)
+        scores = torch.tensor(logits[row:row + 1])
+        if prompts[row]:
+            scores = RepetitionPenaltyLogitsProcessor(penalties[row])(ids, scores)
+        scores = SequenceBiasLogitsProcessor({(t,): b for t, b in bias})(ids, scores)
+        want = torch.log_softmax(scores.double(), dim=-1)[0].numpy()
+        np.testing.assert_allclose(got[row], want, rtol=0, atol=2e-5, err_msg=f"row {row}")
