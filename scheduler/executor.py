@@ -72,10 +72,7 @@ def constraint_masks(engine: Engine, rows: list[tuple[Sequence, int]], n_rows: i
         if seq.request.constraint.keys is not None:
             seq.request.constraint.keys.drop_repeats(mask[row])
         if seq.budget is not None:
-            token = seq.budget.forced_token(seq.request.constraint, len(seq.generated), seq.max_tokens)
-            if token is not None:
-                mask[row] = 0
-                mask[row, token >> 5] = np.uint32(1 << (token & 31))
+            seq.budget.narrow(seq.request.constraint, len(seq.generated), seq.max_tokens, mask[row])
     out.mask_fills.append((time.perf_counter() - begin, len(constrained)))
     return mask
 

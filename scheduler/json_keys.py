@@ -17,6 +17,7 @@ tokenizer.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,10 @@ class QuoteTokens:
     pieces: tuple[bytes, ...]
     quotes: np.ndarray
     index: dict[int, int]  # token id -> its position in `ids`
+    # Bitmask words [ceil(V/32)] of the tokens that would grow a document by a member or an item: outside a
+    # string those holding `,`, `{` or `[`; inside one those that close it and then hold one of them.
+    growth_outside: np.ndarray
+    growth_inside: np.ndarray
     token_bytes: Callable[[int], bytes] = field(compare=False)
     _at_least: dict[int, np.ndarray] = field(default_factory=dict, compare=False)
 
@@ -49,13 +54,24 @@ class QuoteTokens:
 
 
 def quote_tokens(tokenizer) -> QuoteTokens:
-    """Every non-special token of ``tokenizer`` whose bytes contain a quote."""
+    """Every non-special token of ``tokenizer`` whose bytes contain a quote, and the growth bitmasks."""
     special = tokenizer.special_ids
-    found = [(i, piece) for i in range(tokenizer.vocab_size) if i not in special
-             and b'"' in (piece := tokenizer.token_bytes(i))]
+    pieces = [b"" if i in special else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+    found = [(i, piece) for i, piece in enumerate(pieces) if b'"' in piece]
+    growth = re.compile(rb"[,{\[]")
+    outside = [i for i, piece in enumerate(pieces) if growth.search(piece)]
+    inside = [i for i, piece in found if growth.search(piece, piece.index(b'"'))]
     return QuoteTokens(np.array([i for i, _ in found], np.int64), tuple(p for _, p in found),
                        np.array([p.count(b'"') for _, p in found], np.int64),
-                       {i: n for n, (i, _) in enumerate(found)}, tokenizer.token_bytes)
+                       {i: n for n, (i, _) in enumerate(found)}, _bits(outside, len(pieces)),
+                       _bits(inside, len(pieces)), tokenizer.token_bytes)
+
+
+def _bits(ids: list[int], vocab_size: int) -> np.ndarray:
+    words = np.zeros((vocab_size + 31) // 32, np.uint32)
+    index = np.asarray(ids, np.int64)
+    np.bitwise_or.at(words, index >> 5, np.uint32(1) << (index & 31).astype(np.uint32))
+    return words
 
 
 def _decoded(raw: bytes) -> str | None:
@@ -195,6 +211,13 @@ class KeyTracker:
             return False
         prefix = _decoded(bytes(lexer.key))
         return prefix is None or any(name.startswith(prefix) for name in lexer.frames[-1])
+
+    def growth(self) -> np.ndarray | None:
+        """Bitmask words of the tokens that would add a member or an item from where the document stands
+        (`QuoteTokens.growth_*`); None where nothing is tracked."""
+        if not self.armed:
+            return None
+        return self.quotes.growth_inside if self.lexer.in_string else self.quotes.growth_outside
 
     def path_lexer(self) -> _Lexer | None:
         """A fork of the lexer for a closing path to check its tokens against (None: nothing is tracked)."""

@@ -259,3 +259,29 @@ def test_open_objects_never_repeat_a_key(setup):
     for text in outputs(track=True):
         assert not repeated_keys(text), text
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_near_the_budget_no_new_item_or_member_starts(setup):
+    """In the tokens just before a document must close, the mask keeps the grammar's tokens except those that
+    would start another item or member (a comma, a bracket or brace, a string closed into one); the closing
+    path's next token stays allowed. Far from the budget nothing is narrowed."""
+    from scheduler.budget_close import CLOSE_SLACK, WIND_DOWN, BudgetClose
+
+    _, tokenizer, compiler = setup
+    schema = {"type": "array", "items": {"type": "integer"}}
+    matcher = compiler.matcher(compiler.compile(ConstraintSpec.json_schema(schema)))
+    for token in tokenizer.encode("[12"):
+        assert matcher.consume(token)
+        matcher.keys.feed_token(token)
+
+    def narrowed(left: int) -> set[str]:
+        mask = np.zeros((1, (VOCAB + 31) // 32), np.uint32)
+        fill_masks([(matcher, 0)], mask)
+        budget, generated = BudgetClose(), 100
+        budget.narrow(matcher, generated, generated + left, mask[0])
+        return {tokenizer.decode([t]) for t in np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))}
+
+    closing = len(matcher.closing_path(512))  # "]": the grammar ends there
+    far, near = narrowed(200), narrowed(closing + CLOSE_SLACK + WIND_DOWN)
+    assert {",", "]", "3"} <= far
+    assert "]" in near and "3" in near and "," not in near and not any("," in piece for piece in near)
