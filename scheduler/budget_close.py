@@ -69,11 +69,11 @@ class BudgetClose:
         if self.closing:
             self._advance(generated)
             return self.path[0] if self.path else None
-        if matcher.is_accepting() and matcher.keys is not None and not matcher.keys.armed:
-            return None  # free text (before any tool call) may end anywhere: nothing to close
         left = max_tokens - generated
         if left > FIRST_MEASURE:
-            return None
+            return None  # checked first: it costs nothing, and most steps of most outputs stop here
+        if matcher.is_accepting() and matcher.keys is not None and not matcher.keys.armed:
+            return None  # free text (before any tool call) may end anywhere: nothing to close
         stale = generated - self.measured_at >= RECHECK_TOKENS or self.measured_at < 0
         near = self.path is not None and left <= len(self.path) + CLOSE_SLACK + RECHECK_TOKENS
         if stale or near:

@@ -285,3 +285,26 @@ def test_near_the_budget_no_new_item_or_member_starts(setup):
     far, near = narrowed(200), narrowed(closing + CLOSE_SLACK + WIND_DOWN)
     assert {",", "]", "3"} <= far
     assert "]" in near and "3" in near and "," not in near and not any("," in piece for piece in near)
+
+
+@pytest.mark.parametrize("additional", [False, {"type": "integer"}])
+def test_the_grammar_itself_writes_a_declared_property_at_most_once(setup, additional):
+    """Declared properties are the grammar's job (llguidance writes them once, in schema order, and keeps
+    their names out of additional keys); the key tracker covers only open keys. Checked with no tracker."""
+    _, tokenizer, compiler = setup
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "additionalProperties": additional}
+    matcher = compiler.matcher(compiler.compile(ConstraintSpec.json_schema(schema)))
+    matcher.keys = None
+    def allowed() -> set[str]:
+        mask = np.zeros((1, (VOCAB + 31) // 32), np.uint32)
+        fill_masks([(matcher, 0)], mask)
+        return {tokenizer.decode([t]) for t in np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))}
+
+    for token in tokenizer.encode('{"a":1,"'):
+        assert matcher.consume(token)
+    if additional is False:  # closed: only the other declared key may follow
+        assert not any(piece.startswith("a") for piece in allowed()) and "b" in allowed()
+        return
+    assert matcher.consume(tokenizer.encode("a")[0])  # "a" may start an additional key ("ab")...
+    assert not any(piece.startswith('"') for piece in allowed())  # ...but the key "a" cannot close again
