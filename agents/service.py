@@ -25,6 +25,7 @@ from agents.prompt_text import leading_system_count
 from agents.spec import AgentSpec
 from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
 from agents.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
+from core import dry
 from core.engine import ROWS_VERIFY_WIDTH, EngineConfig
 from core.sampling import SamplingParams
 from scheduler.grammar import COMPILE_TIMEOUT_S, DEFAULT_BACKEND, MAX_SCHEMA_BYTES, GrammarCompiler
@@ -274,6 +275,11 @@ class ChatParams:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: tuple[str, ...] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     seed: int | None = None
@@ -598,6 +604,11 @@ class ChatService:
                 presence_penalty=float(pick("presence_penalty", 0.0)),
                 logit_bias=tuple(sorted(bias.items())),
                 logprobs=p.top_logprobs if p.logprobs else 0,
+                dry_multiplier=float(pick("dry_multiplier", 0.0)),
+                dry_base=float(pick("dry_base", dry.DEFAULT_BASE)),
+                dry_allowed_length=int(pick("dry_allowed_length", dry.DEFAULT_ALLOWED_LENGTH)),
+                dry_penalty_last_n=int(pick("dry_penalty_last_n", dry.DEFAULT_PENALTY_LAST_N)),
+                dry_sequence_breakers=tuple(pick("dry_sequence_breakers", dry.DEFAULT_BREAKERS)),
             )
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None

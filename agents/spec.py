@@ -14,9 +14,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from agents.messages import invalid_text_path
+from core import dry
 from scheduler.grammar_spec import ConstraintSpec
 
-__all__ = ["AGENT_NAME_PATTERN", "AgentSpec", "SamplingDefaults"]
+__all__ = ["AGENT_NAME_PATTERN", "AgentSpec", "RepetitionControls", "SamplingDefaults"]
 
 AGENT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 _AGENT_NAME = re.compile(AGENT_NAME_PATTERN)
@@ -25,7 +26,28 @@ _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 ApiKey = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")]
 
 
-class SamplingDefaults(BaseModel):
+class RepetitionControls(BaseModel):
+    """Extensions on every API: vLLM's repetition penalty and llama.cpp's DRY sampler, same names and meanings
+    (docs/structured-output.md). Not given: the agent's default, else off."""
+
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="extension (vLLM's)")
+    dry_multiplier: float | None = Field(None, ge=0.0, le=1000.0, description="extension (llama.cpp's): 0 = off")
+    dry_base: float | None = Field(None, ge=1.0, le=1000.0, description="extension (llama.cpp's)")
+    dry_allowed_length: int | None = Field(None, ge=0, le=65536, description="extension (llama.cpp's)")
+    dry_penalty_last_n: int | None = Field(None, ge=-1, lt=2**31,
+                                           description="extension (llama.cpp's): -1 = the whole context, 0 = off")
+    dry_sequence_breakers: list[Annotated[str, StringConstraints(min_length=1, max_length=dry.MAX_BREAKER_CHARS)]] \
+        | None = Field(None, min_length=1, max_length=dry.MAX_BREAKERS, description="extension (llama.cpp's)")
+
+    def repetition_values(self) -> dict[str, Any]:
+        """The fields given, as agents.service.ChatParams takes them."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in RepetitionControls.model_fields}
+        if self.dry_sequence_breakers is not None:
+            out["dry_sequence_breakers"] = tuple(self.dry_sequence_breakers)
+        return out
+
+
+class SamplingDefaults(RepetitionControls):
     """Per-agent sampling defaults; a request's own value wins, None means the server's default."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -37,7 +59,6 @@ class SamplingDefaults(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
     stop: list[str] | None = Field(None, max_length=16)
 
     @field_validator("stop", mode="before")

@@ -4,12 +4,15 @@ own? A fixed set of 30 short factual and instruction prompts, each sent as one u
 agent (`assistant`) under each built-in chat template, in the same run:
 
     python3 benchmarks/chat_quality.py                    # transcript vs gemma-turns, temperature 0 and 0.7
+    python3 benchmarks/chat_quality.py --templates transcript --samplings plain,dry,repetition-1.3
 
 It starts `slotserve serve` once per template (`model.chat_template`; default model and CPU defaults, 8
 slots x 2048) and sends the 30 prompts 8 in flight, greedy and then at temperature 0.7 with a seed per
 prompt (the agent's own top_p). An answer is correct when it contains one of the prompt's accepted words
 (case-insensitive); it ends on its own when its finish_reason is "stop" within max_tokens; it echoes when
-it repeats the agent's system prompt. Results: benchmarks/results/chat-quality-cpu.json.
+it repeats the agent's system prompt. ``--samplings`` adds fields to every request (named sets in SAMPLINGS:
+the repetition controls a default would set), each measured on the same server. Results:
+benchmarks/results/chat-quality-cpu.json.
 """
 
 from __future__ import annotations
@@ -66,13 +69,21 @@ PROMPTS: list[tuple[str, tuple[str, ...]]] = [
     ("Give one word that rhymes with 'cat'.", ("hat", "bat", "mat", "rat", "sat", "fat", "pat", "that", "flat")),
 ]
 TEMPLATES = ("gemma-turns", "transcript")
+# Request fields per named sampling set (the agent's own temperature / top_p stay unless a set names them).
+SAMPLINGS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "dry": {"dry_multiplier": 0.8},  # llama.cpp's suggested strength, its defaults otherwise
+    "dry-json-breakers": {"dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", ":", '"', "*", ",", "{", "}"]},
+    "repetition-1.1": {"repetition_penalty": 1.1},
+    "repetition-1.3": {"repetition_penalty": 1.3},
+}
 SYSTEM_ECHO = "helpful, honest assistant"  # from configs/agents/assistant.yaml
 
 
 async def ask(client: httpx.AsyncClient, url: str, prompt: str, temperature: float, seed: int,
-              max_tokens: int, gate: asyncio.Semaphore) -> dict[str, Any]:
+              max_tokens: int, gate: asyncio.Semaphore, extra: dict[str, Any]) -> dict[str, Any]:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "seed": seed}
+            "temperature": temperature, "seed": seed, **extra}
     async with gate:
         r = await client.post(f"{url}/agents/assistant/v1/chat/completions", json=body, timeout=600)
     r.raise_for_status()
@@ -90,12 +101,13 @@ def score(answers: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_completion_tokens": round(sum(a["completion_tokens"] for a in answers) / len(answers), 1)}
 
 
-async def run_template(url: str, temperatures: list[float], max_tokens: int) -> dict[str, Any]:
+async def run_template(url: str, temperatures: list[float], max_tokens: int, extra: dict[str, Any]
+                       ) -> dict[str, Any]:
     gate = asyncio.Semaphore(8)
     out = {}
     async with httpx.AsyncClient() as client:
         for temperature in temperatures:
-            replies = await asyncio.gather(*(ask(client, url, prompt, temperature, seed, max_tokens, gate)
+            replies = await asyncio.gather(*(ask(client, url, prompt, temperature, seed, max_tokens, gate, extra)
                                              for seed, (prompt, _) in enumerate(PROMPTS)))
             answers = [{**reply, "prompt": prompt,
                         "correct": any(word in reply["text"].lower() for word in accepted)}
@@ -109,9 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--templates", default=",".join(TEMPLATES))
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--samplings", default="plain", help=f"comma-separated names from {', '.join(SAMPLINGS)}")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chat-quality-cpu.json"))
     args = p.parse_args(argv)
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    samplings = args.samplings.split(",")
+    unknown = set(samplings) - set(SAMPLINGS)
+    if unknown:
+        p.error(f"unknown sampling sets: {', '.join(sorted(unknown))}")
     result: dict[str, Any] = {"what": __doc__.split("\n\n")[0], "host": host(), "max_tokens": args.max_tokens,
                               "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
                                                            capture_output=True).stdout.strip(),
@@ -122,14 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, Path("(no log kept)"), "/ready", timeout=900, every_program=True)
-            begin = time.monotonic()
-            result["templates"][template] = asyncio.run(run_template(url, temperatures, args.max_tokens))
-            result["templates"][template]["seconds"] = round(time.monotonic() - begin, 1)
+            for sampling in samplings:
+                begin = time.monotonic()
+                run = asyncio.run(run_template(url, temperatures, args.max_tokens, SAMPLINGS[sampling]))
+                run["seconds"] = round(time.monotonic() - begin, 1)
+                run["request_fields"] = SAMPLINGS[sampling]
+                key = template if samplings == ["plain"] else f"{template}/{sampling}"
+                result["templates"][key] = run
+                for temperature in temperatures:
+                    print(key, temperature, run[f"temperature_{temperature}"]["summary"])
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-        for temperature in temperatures:
-            print(template, temperature, result["templates"][template][f"temperature_{temperature}"]["summary"])
     Path(args.out).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"saved {args.out}")
     return 0

@@ -4,6 +4,8 @@ max_tokens and validates, and the grammar-mask time per token at 8 slots.
 
     python3 benchmarks/structured_http.py                     # 40 schemas + 12 tool calls, max_tokens 512
     python3 benchmarks/structured_http.py --tree /tmp/before  # the same against another checkout (before/after)
+    python3 benchmarks/structured_http.py --llama-server "$(benchmarks/build_llama_server.sh)"  # side by side
+    python3 benchmarks/structured_http.py --extra '{"dry_multiplier": 0.8}'  # more fields in every request
 
 It starts `slotserve serve` from ``--tree`` (default: this repository) on a free port (default model, the
 server's CPU defaults: W8A8, int8 KV; 8 slots x 2048), then sends, 8 in flight:
@@ -13,6 +15,10 @@ server's CPU defaults: W8A8, int8 KV; 8 slots x 2048), then sends, 8 in flight:
 Sampling is temperature 0.7 (``--temperature``) with a per-request seed (greedy outputs that repeat would flatter).
 Each outcome: refused (HTTP 400 naming a feature), valid (finished, validates), invalid (finished, does not
 validate: must be 0), cut (finish_reason length), error. The server's own mask timings come from /metrics.
+
+With ``--llama-server``, llama.cpp's server (same GGUF, `-np` = concurrency, `--jinja` for tools) answers the
+same requests after ours, through its own `response_format` / `tools`, with the assistant agent's system prompt
+sent as a system message (ours adds it itself); its run is saved as "<label>-llama".
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.agents_http import host, wait_healthy  # noqa: E402 - after the path set-up that makes it importable
+from benchmarks.http_load import default_gguf, stop_process  # noqa: E402
 
 SUITE = ROOT / "tests" / "data" / "json-schema" / "jsonschemabench-sample"
 TOOLS = [
@@ -71,6 +78,23 @@ def start_server(tree: Path, port: int, max_tokens: int, model_settings: str = "
                             stderr=subprocess.DEVNULL)
 
 
+def start_llama(binary: str, port: int, concurrency: int, max_tokens: int, log_path: Path) -> subprocess.Popen:
+    """llama.cpp's server on the default GGUF: one 2048-token context per parallel slot, like ours."""
+    cmd = [binary, "-m", default_gguf(), "-np", str(concurrency), "-c", str(concurrency * 2048), "-n",
+           str(max_tokens), "-t", str(os.cpu_count() or 2), "--jinja", "--port", str(port), "--host", "127.0.0.1"]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def for_llama(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same requests with the assistant agent's system prompt in front (slotserve adds it from the agent)."""
+    import yaml
+
+    system = yaml.safe_load((ROOT / "configs" / "agents" / "assistant.yaml").read_text())["system_prompt"]
+    return [{**req, "body": {**req["body"], "messages": [{"role": "system", "content": system},
+                                                         *req["body"]["messages"]]}} for req in requests]
+
+
 def schema_requests(count: int, seed: int, max_tokens: int, temperature: float) -> list[dict[str, Any]]:
     files = sorted(SUITE.glob("*.json"))
     chosen = random.Random(seed).sample(files, count)
@@ -88,15 +112,21 @@ def schema_requests(count: int, seed: int, max_tokens: int, temperature: float) 
     return out
 
 
+# (ask, the arguments it names): a call whose arguments hold these values copied the prompt right
+TOOL_ASKS = [("What is the weather in Oslo?", {"city": "Oslo"}),
+             ("Book me a flight from Paris to Rome on 2026-12-24.",
+              {"origin": "Paris", "destination": "Rome", "date": "2026-12-24"}),
+             ("Is it raining in Lima?", {"city": "Lima"})]
+
+
 def tool_requests(max_tokens: int, temperature: float) -> list[dict[str, Any]]:
-    asks = ["What is the weather in Oslo?", "Book me a flight from Paris to Rome on 2026-12-24.",
-            "Is it raining in Lima?"]
     out = []
     for i in range(12):
         choice = "required" if i % 2 == 0 else "auto"
-        out.append({"kind": "tool", "name": f"tool-{choice}-{i}", "body": {
+        ask, expected = TOOL_ASKS[i % len(TOOL_ASKS)]
+        out.append({"kind": "tool", "name": f"tool-{choice}-{i}", "expected": expected, "body": {
             "model": "assistant", "max_tokens": max_tokens, "temperature": temperature, "seed": 100 + i, "tools": TOOLS,
-            "tool_choice": choice, "messages": [{"role": "user", "content": asks[i % len(asks)]}]}})
+            "tool_choice": choice, "messages": [{"role": "user", "content": ask}]}})
     return out
 
 
@@ -117,7 +147,10 @@ def classify(req: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str
         elif message.get("tool_calls"):
             call = message["tool_calls"][0]["function"]
             params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["name"])
-            jsonschema.validate(json.loads(call["arguments"]), params)
+            arguments = json.loads(call["arguments"])
+            jsonschema.validate(arguments, params)
+            closed["arguments_copied"] = all(str(arguments.get(k, "")).strip().lower() == v.lower()
+                                             for k, v in req["expected"].items())
         else:
             return {"outcome": "text", "tokens": tokens}  # tool_choice auto answered in text
     except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as e:
@@ -151,7 +184,9 @@ def summary(results: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     for r in mine:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     constrained = [r for r in mine if r["outcome"] != "refused"]
+    copied = sum(bool(r.get("arguments_copied")) for r in mine)
     return {"requests": len(mine), **counts, "budget_closed": sum(bool(r.get("budget_closed")) for r in mine),
+            **({"arguments_copied": copied} if kind == "tool" else {}),
             "finished_valid_share_of_constrained": round(counts.get("valid", 0) / max(len(constrained), 1), 3)}
 
 
@@ -164,29 +199,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="after")
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--extra", type=json.loads, default={}, help="JSON object of fields added to every request")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's server binary: measure it too")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "structured-http-cpu.json")
     args = parser.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.tree.resolve(), port, args.max_tokens)
-    try:
-        ready_s = wait_healthy(url, proc, Path("(no log kept)"), "/ready", 1200, every_program=True)
-        requests = (schema_requests(args.schemas, args.seed, args.max_tokens, args.temperature)
-                    + tool_requests(args.max_tokens, args.temperature))
-        begin = time.perf_counter()
-        results = asyncio.run(run_all(url, requests, args.concurrency))
-        wall = time.perf_counter() - begin
-        masks = mask_metrics(url)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    requests = (schema_requests(args.schemas, args.seed, args.max_tokens, args.temperature)
+                + tool_requests(args.max_tokens, args.temperature))
+    requests = [{**req, "body": {**req["body"], **args.extra}} for req in requests]
     tree_commit = subprocess.run(["git", "-C", str(args.tree), "rev-parse", "HEAD"], capture_output=True,
                                  text=True).stdout.strip()
-    run = {"label": args.label, "tree_commit": tree_commit, "host": host(), "temperature": args.temperature,
-           "ready_s": round(ready_s, 1),
-           "wall_s": round(wall, 1),
-           "schemas": summary(results, "schema"), "tools": summary(results, "tool"), "mask": masks,
-           "results": results}
+    common = {"tree_commit": tree_commit, "host": host(), "temperature": args.temperature, "extra": args.extra}
+    runs = {args.label: {"label": args.label, "server": "slotserve", **common, **measure_ours(args, requests)}}
+    if args.llama_server:
+        runs[f"{args.label}-llama"] = {"label": f"{args.label}-llama", "server": "llama.cpp", **common,
+                                       **measure_llama(args, for_llama(requests))}
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
     report.setdefault("meta", {}).update({
         "command": "python3 benchmarks/structured_http.py " + " ".join(sys.argv[1:]),
@@ -194,9 +220,48 @@ def main() -> None:
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "workload": f"{args.schemas} JSONSchemaBench schemas (seed {args.seed}) + 12 tool calls, max_tokens "
                     f"{args.max_tokens}, temperature per run, {args.concurrency} in flight, default model via HTTP"})
-    report.setdefault("runs", {})[args.label] = run
+    report.setdefault("runs", {}).update(runs)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in run.items() if k != "results"}, indent=1))
+    for run in runs.values():
+        print(json.dumps({k: v for k, v in run.items() if k != "results"}, indent=1))
+
+
+def measure_ours(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args.tree.resolve(), port, args.max_tokens)
+    try:
+        ready_s = wait_healthy(url, proc, Path("(no log kept)"), "/ready", 1200, every_program=True)
+        begin = time.perf_counter()
+        results = asyncio.run(run_all(url, requests, args.concurrency))
+        wall = time.perf_counter() - begin
+        masks = mask_metrics(url)
+    finally:
+        stop_process(proc, 60)
+    return {"ready_s": round(ready_s, 1), "wall_s": round(wall, 1), **outcomes(results), "mask": masks,
+            "results": results}
+
+
+def measure_llama(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="structured-llama-") as tmp:
+        log_path = Path(tmp) / "llama-server.log"
+        proc = start_llama(args.llama_server, port, args.concurrency, args.max_tokens, log_path)
+        try:
+            ready_s = wait_healthy(url, proc, log_path, "/health", 600)
+            begin = time.perf_counter()
+            results = asyncio.run(run_all(url, requests, args.concurrency))
+            wall = time.perf_counter() - begin
+        finally:
+            stop_process(proc, 60)
+    return {"ready_s": round(ready_s, 1), "wall_s": round(wall, 1), **outcomes(results), "results": results}
+
+
+def outcomes(results: list[dict[str, Any]]) -> dict[str, Any]:
+    valid = [r["tokens"] for r in results if r["kind"] == "schema" and r["outcome"] == "valid"]
+    return {"schemas": summary(results, "schema"), "tools": summary(results, "tool"),
+            "tokens_per_valid_document": round(sum(valid) / max(len(valid), 1), 1)}
 
 
 if __name__ == "__main__":

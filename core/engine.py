@@ -130,7 +130,7 @@ class Engine:
         # Decode and both verify steps read the sliding layers through one view length, so their rows
         # compute alike bit for bit (core.kv_cache.sliding_view_length).
         model = {"cfg": cfg, "view_width": max(config.verify_tokens, config.rows_verify_width, 1)}
-        self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size)
+        self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size, history=config.max_len)
         self.programs: dict[ProgramKey, Program] = self._build_programs(model)
         self.background_warmup: threading.Thread | None = None
         self.compile_seconds = 0.0
@@ -219,8 +219,8 @@ class Engine:
             return cache, i32(3)
         mask = jax.ShapeDtypeStruct((rows if kind == "sample" else 1, words), jnp.uint32) if key[-1] else None
         if kind == "sample":
-            return logits, sampler, mask, i32(rows), jax.ShapeDtypeStruct((rows,), jnp.bool_)
-        return jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.float32), sampler, i32(), i32(), mask
+            return logits, sampler, mask, i32(rows), jax.ShapeDtypeStruct((rows,), jnp.bool_), i32(rows)
+        return jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.float32), sampler, i32(), i32(), mask, i32()
 
     def _first_needed(self, key: ProgramKey) -> bool:
         """Whether a background warm-up compiles this program before reporting ready: what a short first
@@ -457,24 +457,29 @@ class Engine:
         return next((size for size in self.buckets if size >= length), self.buckets[-1])
 
     # ---- sampling -------------------------------------------------------------------------------
-    def begin_request(self, slot: int, params: SamplingParams, prompt_ids: list[int] | np.ndarray, seed: int) -> None:
-        """Install a request's sampling parameters and seed in a slot (once per admission)."""
-        self.sampler = set_slot(self.sampler, slot, params, prompt_ids, seed)
+    def begin_request(self, slot: int, params: SamplingParams, prompt_ids: list[int] | np.ndarray, seed: int,
+                      dry_breakers: np.ndarray | None = None) -> None:
+        """Install a request's sampling parameters and seed in a slot (once per admission); with DRY on,
+        dry_breakers lists its single-token sequence breakers (`core.sampling.set_slot`)."""
+        self.sampler = set_slot(self.sampler, slot, params, prompt_ids, seed, dry_breakers)
 
     def sample(self, logits: jax.Array, active: np.ndarray, steps: np.ndarray, mask: np.ndarray | None = None,
-               needs_full: bool = True) -> SampleResult:
+               needs_full: bool = True, dry_limits: np.ndarray | None = None) -> SampleResult:
         """Sample one token per slot from decode logits [S, V]. steps[s]: tokens the slot generated so far
         (keys its seeded draw); mask: packed allowed tokens [S, ceil(V/32)] or None (no row constrained);
         needs_full=False selects the cheaper program valid when no active request uses penalties or
-        top-k/top-p/min-p."""
+        top-k/top-p/min-p; dry_limits [S]: each DRY row's `core.dry.RepeatLimit.limit` (others ignore it)."""
         program = self.programs["sample", needs_full, mask is not None]
-        out = program(logits, self.sampler, mask, np.asarray(steps, np.int32), np.asarray(active, bool))
+        limits = np.zeros(self.num_slots, np.int32) if dry_limits is None else np.asarray(dry_limits, np.int32)
+        out = program(logits, self.sampler, mask, np.asarray(steps, np.int32), np.asarray(active, bool), limits)
         *result, self.sampler = out
         return SampleResult(*jax.device_get(result))
 
-    def sample_slot(self, slot: int, logits: jax.Array, step: int, mask: np.ndarray | None = None) -> SampleResult:
+    def sample_slot(self, slot: int, logits: jax.Array, step: int, mask: np.ndarray | None = None,
+                    dry_limit: int = 0) -> SampleResult:
         """Sample the token that follows a prefill (logits [V]) with the slot's own parameters."""
-        out = self.programs["sample_row", mask is not None](logits, self.sampler, np.int32(slot), np.int32(step), mask)
+        out = self.programs["sample_row", mask is not None](logits, self.sampler, np.int32(slot), np.int32(step),
+                                                             mask, np.int32(dry_limit))
         *result, self.sampler = out
         return SampleResult(*jax.device_get(result))
 
@@ -561,11 +566,11 @@ def _verify_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, atte
     return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
 
 
-def _sample_row(logits, state: SamplerState, slot, step, mask):
+def _sample_row(logits, state: SamplerState, slot, step, mask, dry_limit):
     """The full sampler on one slot's row of the state; the row's counts are written back."""
     row = jax.tree_util.tree_map(lambda a: a[slot][None], state)
     tokens, lp, top_ids, top_lp, row = sample(logits[None], row, mask, step[None], jnp.ones((1,), bool),
-                                              num_top=MAX_LOGPROBS)
+                                              dry_limit[None], num_top=MAX_LOGPROBS)
     state = jax.tree_util.tree_map(lambda full, part: full.at[slot].set(part[0]), state, row)
     return tokens, lp, top_ids, top_lp, state
 

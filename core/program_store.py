@@ -46,9 +46,10 @@ _CORE = Path(__file__).resolve().parent
 @cache
 def _register_pytree_types() -> None:
     """Exported modules record their argument trees; named tuples among them need a serialized name."""
-    from core.sampling import SamplerState
+    from core.sampling import DryState, SamplerState
 
     export.register_namedtuple_serialization(SamplerState, serialized_name="slotserve.SamplerState")
+    export.register_namedtuple_serialization(DryState, serialized_name="slotserve.DryState")
 
 
 @cache

@@ -5,7 +5,8 @@ token counts as device arrays), an optional packed allowed-token mask and the pe
 
 Order of operations, per row:
   1. penalties on the raw logits: repetition (tokens seen in prompt or output; divide a positive logit,
-     multiply a negative one, HF/vLLM), then frequency and presence (output tokens only, OpenAI);
+     multiply a negative one, HF/vLLM), then frequency and presence (output tokens only, OpenAI), then
+     DRY (llama.cpp's, over the last dry_penalty_last_n tokens of prompt + output; core/dry.py);
   2. logit_bias (added after the penalties, so a +/-100 bias is not rescaled by the repetition penalty);
   3. the allowed-token mask: disallowed -> -inf;
   4. reported logprobs = log_softmax of these processed logits, i.e. before temperature and truncation
@@ -50,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from core import dry
+
 # Static cap on the candidates used to find top-k / top-p cuts without bisection. The blocked top-k's
 # cost grows with K_MAX (slowly up to a few hundred, steeply beyond); 128 is still cheap and covers the
 # nucleus of a peaked LM distribution at top_p <= 0.95 in most steps. Wider top-k / top-p sets take the
@@ -89,6 +92,11 @@ class SamplingParams:
     presence_penalty: float = 0.0  # output tokens: logit -= presence * (count > 0)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted
     logprobs: int = 0  # top logprobs to report, 0..MAX_LOGPROBS (the engine's static num_top >= this)
+    dry_multiplier: float = 0.0  # 0 -> DRY off; the rest as llama.cpp's server (core/dry.py)
+    dry_base: float = dry.DEFAULT_BASE
+    dry_allowed_length: int = dry.DEFAULT_ALLOWED_LENGTH
+    dry_penalty_last_n: int = dry.DEFAULT_PENALTY_LAST_N  # -1 -> the whole context, 0 -> off
+    dry_sequence_breakers: tuple[str, ...] = dry.DEFAULT_BREAKERS
 
     def __post_init__(self) -> None:
         def real(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -111,16 +119,29 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         object.__setattr__(self, "logit_bias", _normalise_bias(self.logit_bias))
+        real("dry_multiplier", 0.0, math.inf)
+        real("dry_base", 1.0, math.inf)
+        for name in ("dry_allowed_length", "dry_penalty_last_n"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        breakers = dry.check_params(self.dry_multiplier, self.dry_base, self.dry_allowed_length,
+                                    self.dry_penalty_last_n, self.dry_sequence_breakers)
+        object.__setattr__(self, "dry_sequence_breakers", breakers)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def dry(self) -> bool:
+        """Whether the DRY penalty is on."""
+        return self.dry_multiplier != 0 and self.dry_penalty_last_n != 0
+
+    @property
     def needs_full(self) -> bool:
         """True when this request needs `sample(..., needs_full=True)` (penalties or truncation)."""
         penalised = (self.repetition_penalty != 1 or self.frequency_penalty != 0
-                     or self.presence_penalty != 0)
+                     or self.presence_penalty != 0 or self.dry)
         truncated = not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
         return penalised or truncated
 
@@ -151,6 +172,24 @@ def batch_needs_full(params: Iterable[SamplingParams | None]) -> bool:
     return any(p is not None and p.needs_full for p in params)
 
 
+class DryState(NamedTuple):
+    """Per-slot DRY parameters and history: [S] and [S, H] device arrays, H = the slot length.
+
+    `match[s, j]` is how many tokens ending at position j equal the last ones of the slot's history (0 for
+    the last position itself and beyond the history), kept up to date as each token is appended.
+    """
+
+    multiplier: jax.Array  # [S] f32
+    base: jax.Array  # [S] f32
+    allowed: jax.Array  # [S] i32 allowed_length
+    window: jax.Array  # [S] i32 tokens scanned (penalty_last_n, -1 -> H); 0 = DRY off for the slot
+    max_exp: jax.Array  # [S] i32 cap on the exponent, 0 = none
+    history: jax.Array  # [S, H] i32 prompt + output token ids by position
+    match: jax.Array  # [S, H] i32
+    length: jax.Array  # [S] i32 tokens in the history
+    breaker: jax.Array  # [S, V] bool single-token sequence breakers (never penalised)
+
+
 class SamplerState(NamedTuple):
     """Per-slot sampler parameters and token statistics, all device arrays with a leading slot axis."""
 
@@ -166,16 +205,26 @@ class SamplerState(NamedTuple):
     seen: jax.Array  # [S, V] bool token occurred in the prompt or the output (repetition penalty)
     bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] i32, unused entries = V (dropped by the scatter)
     bias_vals: jax.Array  # [S, MAX_LOGIT_BIAS] f32
+    dry: DryState
 
 
-def init_state(num_slots: int, vocab_size: int) -> SamplerState:
-    """All slots neutral and greedy, counts zero, no bias; made by one program (`core.kv_cache.init_cache`
-    says why)."""
-    return jax.jit(partial(_neutral_state, num_slots, vocab_size))()
+# History kept for DRY when the caller does not give the slot length.
+DEFAULT_HISTORY = 512
 
 
-def _neutral_state(num_slots: int, vocab_size: int) -> SamplerState:
-    s, v = num_slots, vocab_size
+def init_state(num_slots: int, vocab_size: int, history: int = DEFAULT_HISTORY) -> SamplerState:
+    """All slots neutral and greedy, counts zero, no bias, DRY off with room for `history` tokens (the
+    slot length); made by one program (`core.kv_cache.init_cache` says why)."""
+    return jax.jit(partial(_neutral_state, num_slots, vocab_size, history))()
+
+
+def _neutral_state(num_slots: int, vocab_size: int, history: int) -> SamplerState:
+    s, v, h = num_slots, vocab_size, history
+    zeros_i32 = jnp.zeros((s,), jnp.int32)
+    dry_state = DryState(multiplier=jnp.zeros((s,), jnp.float32), base=jnp.ones((s,), jnp.float32),
+                         allowed=zeros_i32, window=zeros_i32, max_exp=zeros_i32,
+                         history=jnp.zeros((s, h), jnp.int32), match=jnp.zeros((s, h), jnp.int32),
+                         length=zeros_i32, breaker=jnp.zeros((s, v), jnp.bool_))
     return SamplerState(
         temperature=jnp.zeros((s,), jnp.float32),
         top_k=jnp.zeros((s,), jnp.int32),
@@ -189,14 +238,17 @@ def _neutral_state(num_slots: int, vocab_size: int) -> SamplerState:
         seen=jnp.zeros((s, v), jnp.bool_),
         bias_ids=jnp.full((s, MAX_LOGIT_BIAS), v, jnp.int32),
         bias_vals=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32),
+        dry=dry_state,
     )
 
 
 @jax.jit
 def _write_slot(state: SamplerState, slot: jax.Array, floats: jax.Array, top_k: jax.Array,
-                key: jax.Array, seen: jax.Array, bias_ids: jax.Array, bias_vals: jax.Array) -> SamplerState:
+                key: jax.Array, seen: jax.Array, bias_ids: jax.Array, bias_vals: jax.Array,
+                dry_row: DryState) -> SamplerState:
     """One compiled update for every field of a slot (a traced slot index: no recompile per slot)."""
     f = floats
+    dry_state = jax.tree_util.tree_map(lambda full, row: full.at[slot].set(row), state.dry, dry_row)
     return state._replace(
         temperature=state.temperature.at[slot].set(f[0]),
         top_p=state.top_p.at[slot].set(f[1]),
@@ -210,6 +262,7 @@ def _write_slot(state: SamplerState, slot: jax.Array, floats: jax.Array, top_k: 
         seen=state.seen.at[slot].set(seen),
         bias_ids=state.bias_ids.at[slot].set(bias_ids),
         bias_vals=state.bias_vals.at[slot].set(bias_vals),
+        dry=dry_state,
     )
 
 
@@ -219,9 +272,11 @@ def seed_key_data(seed: int) -> np.ndarray:
 
 
 def set_slot(state: SamplerState, slot: int, params: SamplingParams, prompt_ids: Sequence[int],
-             seed: int) -> SamplerState:
-    """Install a request in `slot` (once per admission): parameters, seed, bias; output counts reset and
-    the prompt tokens marked as seen for the repetition penalty. Returns the new state."""
+             seed: int, dry_breakers: np.ndarray | None = None) -> SamplerState:
+    """Install a request in `slot` (once per admission): parameters, seed, bias; output counts reset, the
+    prompt tokens marked as seen for the repetition penalty and, with DRY on, kept as its history.
+    dry_breakers: the ids of single-token sequence breakers (`core.dry.BreakerTable.single`), needed when
+    params.dry is on. Returns the new state."""
     num_slots, vocab = state.counts.shape
     if not _is_int(slot) or not 0 <= slot < num_slots:
         raise ValueError(f"slot must be in [0, {num_slots}), got {slot!r}")
@@ -242,7 +297,29 @@ def set_slot(state: SamplerState, slot: int, params: SamplingParams, prompt_ids:
                        params.frequency_penalty, params.presence_penalty], np.float32)
     top_k = params.top_k if params.top_k < vocab else 0  # k >= V keeps everything
     return _write_slot(state, np.int32(slot), floats, np.int32(top_k), seed_key_data(seed),
-                       seen, bias_ids, bias_vals)
+                       seen, bias_ids, bias_vals, _dry_row(state.dry.history.shape[1], vocab, params, ids,
+                                                           dry_breakers))
+
+
+def _dry_row(history: int, vocab: int, params: SamplingParams, ids: np.ndarray,
+             breakers: np.ndarray | None) -> DryState:
+    """One slot's DryState row (host arrays) for a request with this prompt."""
+    tokens = np.zeros(history, np.int32)
+    breaker = np.zeros(vocab, np.bool_)
+    on = params.dry
+    if on:
+        if breakers is None:
+            raise ValueError("DRY is on: the single-token sequence breakers must be given")
+        if ids.size > history:
+            raise ValueError(f"the prompt ({ids.size} tokens) is longer than the DRY history ({history})")
+        tokens[:ids.size] = ids
+        breaker[np.asarray(breakers, np.int64)] = True
+    window = (history if params.dry_penalty_last_n < 0 else min(params.dry_penalty_last_n, history)) if on else 0
+    match = dry.prompt_matches(ids.tolist(), window, history) if on else np.zeros(history, np.int32)
+    return DryState(multiplier=np.float32(params.dry_multiplier), base=np.float32(params.dry_base),
+                    allowed=np.int32(params.dry_allowed_length), window=np.int32(window),
+                    max_exp=np.int32(dry.max_exponent(params.dry_base)), history=tokens, match=match,
+                    length=np.int32(ids.size if on else 0), breaker=breaker)
 
 
 def unpack_mask(bits: jax.Array, vocab_size: int) -> jax.Array:
@@ -458,8 +535,52 @@ def _draw_full(lb: jax.Array, x: jax.Array, m: jax.Array, t: jax.Array, u: jax.A
     return jnp.where(in_cand, tok_cand, _draw_blocks(lb, block_sum, m, t, thr, u))
 
 
+def _dry_penalise(x: jax.Array, d: DryState, limit: jax.Array, rows_on: jax.Array) -> jax.Array:
+    """Lower the logits x [S, V] of the rows in rows_on [S] bool by their DRY penalties (core/dry.py);
+    limit [S] i32 is llama.cpp's rep_limit.
+
+    Position j of the window whose run of `rep` tokens equals the history's last ones (rep capped by the
+    breaker limit and by the window's start) makes the token at j + 1 cost multiplier * base ** (rep -
+    allowed). Each such token takes its largest penalty: a scatter-min of the penalised logits (x - p is
+    monotone in p), with no [S, V] pass besides the scatter.
+    """
+    s, h = d.history.shape
+    v = x.shape[1]
+    n = d.length
+    span = jnp.minimum(n, d.window)  # llama.cpp's last_n_repeat
+    start = n - span
+    j = jnp.arange(h)[None, :]
+    rep = jnp.minimum(jnp.minimum(d.match, limit[:, None]), j - start[:, None] + 1)
+    following = jnp.concatenate([d.history[:, 1:], jnp.zeros((s, 1), jnp.int32)], axis=1)  # token at j + 1
+    row_on = rows_on & (span > d.allowed) & (limit >= d.allowed)
+    hit = (row_on[:, None] & (j >= start[:, None]) & (j <= n[:, None] - 2) & (rep >= d.allowed[:, None])
+           & ~jnp.take_along_axis(d.breaker, following, 1))
+    exponent = rep - d.allowed[:, None]
+    exponent = jnp.where(d.max_exp[:, None] > 0, jnp.minimum(exponent, d.max_exp[:, None]), exponent)
+    penalty = d.multiplier[:, None] * jnp.power(d.base[:, None], exponent.astype(jnp.float32))
+    penalty = jnp.minimum(penalty, jnp.finfo(jnp.float32).max)  # a finite logit stays finite
+    lowered = jnp.take_along_axis(x, following, 1) - penalty
+    rows = jnp.arange(s)[:, None]
+    return x.at[rows, jnp.where(hit, following, v)].min(lowered, mode="drop")
+
+
+def _dry_append(d: DryState, tokens: jax.Array, take: jax.Array) -> DryState:
+    """Append tokens [S] to the history of the rows in `take` [S] bool whose DRY is on; the match lengths
+    follow: a run ending at j continues the new last token iff history[j] is that token and a run ended
+    at j - 1."""
+    s, h = d.history.shape
+    n = d.length
+    take = take & (n < h)
+    j = jnp.arange(h)[None, :]
+    before = jnp.concatenate([jnp.zeros((s, 1), jnp.int32), d.match[:, :-1]], axis=1)
+    match = jnp.where((d.history == tokens[:, None]) & (j < n[:, None]), before + 1, 0)
+    history = d.history.at[jnp.arange(s), jnp.where(take, n, h)].set(tokens, mode="drop")
+    return d._replace(history=history, match=jnp.where(take[:, None], match, d.match),
+                      length=jnp.where(take, n + 1, n))
+
+
 def _process_logits(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | None,
-                    penalties: bool) -> jax.Array:
+                    penalties: bool, dry_limit: jax.Array, dry_rows: jax.Array) -> jax.Array:
     s, v = logits.shape
     x = logits.astype(jnp.float32)
     if penalties:
@@ -467,6 +588,7 @@ def _process_logits(logits: jax.Array, state: SamplerState, allowed_mask: jax.Ar
         x = jnp.where(state.seen, jnp.where(x > 0, x / rp, x * rp), x)
         c = state.counts.astype(jnp.float32)
         x = x - state.frequency_penalty[:, None] * c - state.presence_penalty[:, None] * (c > 0)
+        x = lax.cond(jnp.any(dry_rows), lambda: _dry_penalise(x, state.dry, dry_limit, dry_rows), lambda: x)
     rows = jnp.arange(s)[:, None]
     x = x.at[rows, state.bias_ids].add(state.bias_vals, mode="drop")  # padding ids == V are dropped
     if allowed_mask is not None:
@@ -475,16 +597,18 @@ def _process_logits(logits: jax.Array, state: SamplerState, allowed_mask: jax.Ar
 
 
 def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | None, step: jax.Array,
-           active: jax.Array, *, num_top: int = 0, needs_full: bool = True, k_max: int = K_MAX,
-           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, SamplerState]:
+           active: jax.Array, dry_limit: jax.Array | None = None, *, num_top: int = 0, needs_full: bool = True,
+           k_max: int = K_MAX) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, SamplerState]:
     """One token per row. Jit with static_argnames=("num_top", "needs_full", "k_max"); donate `state`.
 
     logits [S, V] f32; allowed_mask uint32 [S, ceil(V/32)] packed bits or None (a separate compile with
     no mask work: pass None when no active row is constrained, else all-ones words for free rows);
     step [S] i32 tokens generated so far (keys the per-row draw); active [S] bool (only active rows add
-    their token to the counts). needs_full=False compiles a cheaper variant that ignores penalties and
-    top-k/top-p/min-p (bias, mask, temperature, greedy and logprobs still apply, with the same results
-    as the full variant); use it only when `batch_needs_full` is False for the active requests.
+    their token to the counts and the DRY history); dry_limit [S] i32 how many trailing tokens a DRY run
+    may span (`core.dry.RepeatLimit.limit`; None: no breaker limits them). needs_full=False compiles a
+    cheaper variant that ignores penalties and top-k/top-p/min-p (bias, mask, temperature, greedy and
+    logprobs still apply, with the same results as the full variant); use it only when `batch_needs_full`
+    is False for the active requests.
 
     Returns tokens [S] i32 (-1 where the mask allows nothing), the token's logprob [S] f32, the num_top
     most likely tokens [S, num_top] i32 and their logprobs (descending, ties by lower id; all logprobs
@@ -496,7 +620,10 @@ def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | Non
         raise ValueError(f"num_top must be in [0, {v}], got {num_top}")
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
-    x = _process_logits(logits, state, allowed_mask, penalties=needs_full)
+    if dry_limit is None:
+        dry_limit = jnp.full((s,), state.dry.history.shape[1], jnp.int32)
+    dry_rows = active & (state.dry.window > 0)
+    x = _process_logits(logits, state, allowed_mask, needs_full, dry_limit, dry_rows)
     lb = _to_blocks(x, _BLOCK)
     m, greedy_tok = _block_argmax(lb)
     valid = m > _NEG_INF  # some token allowed
@@ -528,6 +655,8 @@ def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | Non
     # Count the token for active rows only; index V (out of range) drops the update.
     idx = jnp.where(active & (tokens >= 0), tokens, v)
     rows = jnp.arange(s)
+    dry_state = lax.cond(jnp.any(dry_rows), lambda: _dry_append(state.dry, tokens, dry_rows & (tokens >= 0)),
+                         lambda: state.dry)
     new_state = state._replace(counts=state.counts.at[rows, idx].add(1, mode="drop"),
-                               seen=state.seen.at[rows, idx].set(True, mode="drop"))
+                               seen=state.seen.at[rows, idx].set(True, mode="drop"), dry=dry_state)
     return tokens, token_lp, top_ids, top_lp, new_state

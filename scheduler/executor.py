@@ -30,14 +30,17 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
         elif isinstance(op, RestoreFromHost):
             engine.restore_slot(op.slot, op.snapshot)
     for seq in plan.admitted:
-        engine.begin_request(seq.slot, seq.request.sampling, list(seq.prompt), seq.seed)
+        engine.begin_request(seq.slot, seq.request.sampling, list(seq.prompt), seq.seed,
+                             dry_breakers=seq.dry.table.single if seq.dry is not None else None)
     if plan.rows:
         _prefill_rows(engine, plan, out)
     for chunk in plan.chunks:
         logits = engine.prefill_chunk(chunk.seq.slot, chunk.tokens, chunk.start)
         if chunk.last:
             mask = constraint_masks(engine, [(chunk.seq, 0)], 1, out)
-            out.first[chunk.seq.id] = (engine.sample_slot(chunk.seq.slot, logits, step=0, mask=mask), 0)
+            limit = chunk.seq.dry.limit if chunk.seq.dry is not None else 0
+            out.first[chunk.seq.id] = (engine.sample_slot(chunk.seq.slot, logits, step=0, mask=mask,
+                                                          dry_limit=limit), 0)
     if plan.decode:
         _decode(engine, plan, out)
     if plan.verify is not None:
@@ -107,5 +110,9 @@ def _sample_rows(engine: Engine, logits, seqs, steps: np.ndarray, out: StepOutco
     active = np.zeros(engine.num_slots, bool)
     active[[seq.slot for seq in seqs]] = True
     mask = constraint_masks(engine, [(seq, seq.slot) for seq in seqs], engine.num_slots, out)
-    return engine.sample(logits, active, steps, mask=mask,
+    dry_limits = np.zeros(engine.num_slots, np.int32)
+    for seq in seqs:
+        if seq.dry is not None:
+            dry_limits[seq.slot] = seq.dry.limit
+    return engine.sample(logits, active, steps, mask=mask, dry_limits=dry_limits,
                          needs_full=batch_needs_full(seq.request.sampling for seq in seqs))

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from core.dry import BreakerTables, RepeatLimit
 from core.engine import Engine, SampleResult
 from core.tokenizer import Tokenizer
 from scheduler.budget_close import BudgetClose
@@ -140,6 +141,8 @@ class Scheduler:
         self.on_failure: Callable[[str], None] | None = None  # called on the engine thread after it died
         # The live slot snapshot (scheduler/snapshot.py): published by the engine thread a few times a second.
         self.snapshots = SnapshotPublisher()
+        self._breaker_tables: BreakerTables | None = None  # DRY sequence breakers as token ids, on first use
+        self._breaker_lock = threading.Lock()
 
     @property
     def slots(self) -> list[Slot]:
@@ -185,9 +188,23 @@ class Scheduler:
             max_tokens=request.max_tokens,
             seed=seed if seed is not None else random.getrandbits(31),
             budget=BudgetClose() if request.constraint is not None and request.close_within_budget else None,
+            dry=self._repeat_limit(request),
         )
         self._inbox.put(seq)
         return handle
+
+    def _repeat_limit(self, request: GenerationRequest) -> RepeatLimit | None:
+        """The DRY breaker bookkeeping for a request with DRY on (its breakers' token table is built once per
+        breaker list, on the caller's thread)."""
+        sampling = request.sampling
+        if not sampling.dry:
+            return None
+        with self._breaker_lock:
+            if self._breaker_tables is None:
+                tok = self.tokenizer
+                self._breaker_tables = BreakerTables(tok.token_bytes, tok.vocab_size, lambda text: tok.encode(text))
+            table = self._breaker_tables.table(sampling.dry_sequence_breakers)
+        return RepeatLimit(table, sampling.dry_penalty_last_n, request.prompt_ids)
 
     def start(self) -> None:
         if self._thread is None:
@@ -473,6 +490,8 @@ class Scheduler:
             self._finish(seq, FinishReason.ERROR, "no token is allowed here (constraint dead end)")
             return
         seq.generated.append(token)
+        if seq.dry is not None:
+            seq.dry.push(token)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         constraint = seq.request.constraint

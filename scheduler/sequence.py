@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from core.dry import RepeatLimit
 from core.tokenizer import IncrementalDetokenizer
 from scheduler.budget_close import BudgetClose
 from scheduler.request import GenerationRequest, RequestHandle
@@ -46,6 +47,7 @@ class Sequence:
     drafted: int = 0  # speculative draft tokens verified for this sequence
     accepted: int = 0  # of those, accepted
     budget: BudgetClose | None = None  # closing the document within max_tokens (constrained requests only)
+    dry: RepeatLimit | None = None  # the DRY penalty's breaker limit over prompt + generated (DRY requests only)
 
     def draft(self, max_tokens: int) -> list[int]:
         """Prompt-lookup draft for what follows prompt + generated (scheduler/speculation.py)."""

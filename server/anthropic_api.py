@@ -121,6 +121,8 @@ def _params(request: Request, body: MessagesRequest | CountTokensRequest, caller
         params.max_tokens, params.temperature, params.top_p = body.max_tokens, body.temperature, body.top_p
         params.top_k, params.stop = body.top_k, body.stop_sequences
         params.close_within_budget = body.close_within_budget is not False
+        for name, value in body.repetition_values().items():
+            setattr(params, name, value)
         params.user = (body.metadata.user_id if body.metadata else None) or body.user_profile_id
     return params
 

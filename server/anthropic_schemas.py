@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agents.spec import RepetitionControls
 from server.schemas import MAX_STOP, MAX_STOP_CHARS
 
 _TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
@@ -112,7 +113,7 @@ class _Prompt(_Strict):
         return "".join(block.text for block in self.system)
 
 
-class MessagesRequest(_Prompt):
+class MessagesRequest(_Prompt, RepetitionControls):
     max_tokens: int = Field(ge=1, examples=[16])
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP)
     stream: bool | None = False

@@ -144,7 +144,7 @@ def chat_params(body: ChatCompletionRequest, session_id: str | None, caller: Any
                   for m in body.messages],
         max_tokens=body.max_completion_tokens or body.max_tokens,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        **body.repetition_values(), frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, seed=body.seed, stop=body.stop_list(), logit_bias=body.bias(),
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, response_format=rf,
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None,
@@ -276,7 +276,7 @@ def _completion_params(body: CompletionRequest) -> ChatParams:
     rf = body.output_format()
     return ChatParams(
         prompt=body.prompt, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+        top_k=body.top_k, min_p=body.min_p, **body.repetition_values(),
         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, seed=body.seed,
         stop=body.stop_list(), logit_bias=body.bias(), logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0, response_format=rf, tools=None, tool_choice="none",

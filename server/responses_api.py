@@ -174,7 +174,8 @@ def _params(body: ResponsesRequest, messages: list[dict[str, Any]], sid: str | N
                  for t in body.tools]
     return ChatParams(
         messages=messages, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, response_format=_response_format(body), tools=tools, tool_choice=_tool_choice(body),
+        top_k=body.top_k, **body.repetition_values(), response_format=_response_format(body), tools=tools,
+        tool_choice=_tool_choice(body),
         session_id=sid, user=body.user or body.safety_identifier, cache_salt=body.cache_salt, caller=caller,
         truncation=body.truncation, instructions=body.instructions, only_new=only_new,
         close_within_budget=body.close_within_budget is not False,

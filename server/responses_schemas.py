@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from agents.spec import RepetitionControls
 from agents.store import SESSION_ID_PATTERN
 
 _NAME = r"^[A-Za-z0-9_-]{1,64}$"
@@ -164,7 +165,7 @@ NO_OP_INCLUDES = ("reasoning.encrypted_content", "file_search_call.results", "we
                   "computer_call_output.output.image_url", "message.input_image.image_url")
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Strict, RepetitionControls):
     model: str | None = Field(None, max_length=256, examples=["assistant"],
                               description="an agent name (optional on /agents/{agent}/v1/responses)")
     input: str | list[InputItem] = Field(examples=["Hello"])

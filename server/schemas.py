@@ -5,9 +5,8 @@ Every model forbids unknown fields, so a parameter slotserve does not implement 
 being silently ignored. Known parameters with values we cannot honour (``n`` > 1, ``modalities``
 other than text) are refused by `unsupported_values`.
 
-Extensions (not in OpenAI's API): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``close_within_budget``,
-``session_id``, ``cache_salt`` (as vLLM's).
+Extensions (not in OpenAI's API): ``top_k``, ``min_p``, ``ignore_eos``, ``close_within_budget``, ``session_id``,
+``cache_salt`` (as vLLM's), and `RepetitionControls` (also on the Responses and Anthropic APIs).
 
 A router in front of several replicas (vllm-router) re-serialises chat and completion bodies and adds
 SGLang's fields at its defaults (``no_stop_trim: false``, ``skip_special_tokens: true``, ...): `ROUTER_FIELDS`
@@ -22,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agents.messages import invalid_text_path
+from agents.spec import RepetitionControls
 from agents.store import SESSION_ID_PATTERN
 
 _FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
@@ -146,7 +146,7 @@ class StructuredOutputs(_Strict):
 # ---- requests -------------------------------------------------------------------------------------
 
 
-class _Sampling(_Strict):
+class _Sampling(_Strict, RepetitionControls):
     model: str | None = Field(None, max_length=256, examples=["assistant"],
                               description="an agent name (optional on /agents/{agent}/v1)")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -164,7 +164,6 @@ class _Sampling(_Strict):
     # extensions
     top_k: int | None = Field(None, ge=0, description="extension: 0 disables top-k")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="extension")
     ignore_eos: bool | None = Field(None, description="extension: keep generating past end-of-sequence tokens")
     close_within_budget: bool | None = Field(
         None, description="extension: false lets a constrained output near max_tokens be cut rather than closed")

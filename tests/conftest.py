@@ -45,6 +45,14 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(default_gguf):
+    """The default model's tokenizer."""
+    from core.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(default_gguf)
+
+
+@pytest.fixture(scope="session")
 def real_model(compile_cache):
     from core.runtime import load_model
 

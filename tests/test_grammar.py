@@ -66,13 +66,6 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    from core.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(default_gguf)
-
-
-@pytest.fixture(scope="module")
 def compiler(tokenizer):
     compiler = GrammarCompiler(tokenizer)
     start = time.perf_counter()

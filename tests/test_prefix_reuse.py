@@ -10,7 +10,6 @@ import pytest
 
 from core.config import ModelConfig
 from core.engine import Engine, EngineConfig
-from core.tokenizer import Tokenizer
 from core.weights import random_params, to_w8a8
 from scheduler.request import GenerationRequest
 from scheduler_helpers import VOCAB, cold, cold_logprobs, ids, make, request, run_all, token_logprobs
@@ -32,11 +31,6 @@ def engine(request, compile_cache):
                  "float32")
     eng.warmup()
     return eng
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    return Tokenizer.from_pretrained(default_gguf)
 
 
 SYSTEM = ids(1, SYSTEM_LEN)

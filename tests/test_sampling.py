@@ -2,13 +2,12 @@
 
 Truncation tests run with a tiny candidate cap (k_max=8 on V=1000) as well as the default, so both the
 candidate fast path and the exact bisection / full-row fallbacks are checked against a numpy reference.
-Benchmark (prints timings, V=262144): `.venv/bin/python -m tests.test_sampling` from the repo root.
+Timings: benchmarks/sampler.py.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -458,59 +457,6 @@ def test_set_slot_validation():
         sampling.set_slot(state, 0, SamplingParams(logit_bias=((50, 1.0),)), [], 0)
     with pytest.raises(ValueError):
         sampling.set_slot(state, 0, SamplingParams(), [], -5)
-
-
-# --------------------------------------------------------------------------------------------- benchmark
-
-
-def benchmark(num_slots: int = 8, vocab: int = 262144, iters: int = 30) -> None:
-    """Print jitted sample() timings (state donated, as the engine would run it)."""
-    rng = np.random.default_rng(0)
-    logits = jnp.asarray(rng.normal(size=(num_slots, vocab)).astype(np.float32) * 3)
-    mask = np.ones((num_slots, vocab), np.bool_)
-    mask[:, rng.integers(0, vocab, vocab // 4)] = False
-    packed = jnp.asarray(sampling.pack_mask(mask))
-    fn = jax.jit(sampling.sample, static_argnames=("num_top", "needs_full", "k_max"), donate_argnames=("state",))
-    active = jnp.ones((num_slots,), jnp.bool_)
-    g, t = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
-    cases = [
-        ("greedy, needs_full=False", [g], None, {"needs_full": False}),
-        ("greedy + 20 logprobs, needs_full=False", [g], None, {"needs_full": False, "num_top": 20}),
-        ("greedy + mask, needs_full=False", [g], packed, {"needs_full": False}),
-        ("temperature, needs_full=False", [t], None, {"needs_full": False}),
-        ("temperature + mask, needs_full=False", [t], packed, {"needs_full": False}),
-        ("greedy, full", [g], None, {}),
-        ("greedy + penalties, full", [SamplingParams(temperature=0.0, repetition_penalty=1.1,
-                                                     frequency_penalty=0.5, presence_penalty=0.5)], None, {}),
-        ("temperature, full", [t], None, {}),
-        ("top_k=40 top_p=0.9, full", [SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], None, {}),
-        ("top_k=40 top_p=0.9 + mask, full", [SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], packed, {}),
-        ("min_p=0.1, full", [SamplingParams(temperature=1.0, min_p=0.1)], None, {}),
-        ("top_p=0.9 nucleus >> K_MAX (bisection), full", [SamplingParams(temperature=1.0, top_p=0.9)], None, {}),
-        ("min_p=1e-4 wide set (second pass), full", [SamplingParams(temperature=1.0, min_p=1e-4)], None, {}),
-    ]
-    print(f"sample() S={num_slots} V={vocab}, {jax.devices()[0].platform}: wall median (min) of {iters}, "
-          "and median process CPU time (all threads)")
-    for name, plist, m, kw in cases:
-        state = sampling.init_state(num_slots, vocab)
-        for i in range(num_slots):
-            state = sampling.set_slot(state, i, plist[i % len(plist)], list(range(64)), i)
-        out = fn(logits, state, m, jnp.zeros((num_slots,), jnp.int32), active, **kw)
-        jax.block_until_ready(out)
-        state, times, cpu = out[-1], [], []
-        for i in range(iters):
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = fn(logits, state, m, jnp.full((num_slots,), i, jnp.int32), active, **kw)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-            state = out[-1]
-        print(f"  {name:48s} {np.median(times) * 1e3:7.2f} ms  (min {np.min(times) * 1e3:6.2f}, "
-              f"process CPU {np.median(cpu) * 1e3:6.2f})")
-
-
-if __name__ == "__main__":
-    benchmark()
 
 
 # ------------------------------------------------------------------------------------- an external reference

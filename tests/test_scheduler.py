@@ -11,7 +11,6 @@ import pytest
 
 from core.engine import Engine, EngineConfig
 from core.sampling import SamplingParams
-from core.tokenizer import Tokenizer
 from core.weights import random_params
 from scheduler.request import ContextLengthError, FinishEvent, FinishReason, GenerationRequest, QueueFullError
 from scheduler_helpers import GREEDY, VOCAB, cold, ids, make, request, run_all
@@ -27,11 +26,6 @@ def engine(compile_cache):
     eng = Engine(cfg, params, EngineConfig(num_slots=8, max_len=160, chunk_sizes=(4, 16)), "float32")
     eng.warmup()
     return eng
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    return Tokenizer.from_pretrained(default_gguf)
 
 
 def test_second_turn_prefills_only_new_tokens_in_the_same_slot(engine, tokenizer):
@@ -445,3 +439,28 @@ def test_generation_with_every_sampler_variant_compiles_nothing_new(engine, toke
         jax.monitoring.unregister_event_duration_listener(listener)
     assert [len(r[0]) for r in results] == [r.max_tokens for r in reqs]
     assert [c for c in compiles if c == "/jax/core/compile/backend_compile_duration"] == []
+
+
+def test_a_dry_request_follows_its_definition_through_the_scheduler(engine, tokenizer):
+    """A greedy DRY request (llama.cpp's default breakers) batched with a plain one: each token is the argmax
+    of the cold prefill's logits lowered by DRY's penalties as tests/test_dry.py defines them, the first
+    token (sampled after the prefill) included, and DRY changes what the model says."""
+    from test_dry import reference_penalties
+
+    from core.dry import BreakerTables
+
+    prompt = ids(70, 7) * 4  # repeats: runs to penalise from the first token on
+    params = SamplingParams(temperature=0.0, dry_multiplier=2.0, dry_base=1.5, dry_allowed_length=1,
+                            dry_penalty_last_n=40)
+    sched = make(engine, tokenizer)
+    got = run_all(sched, [request(prompt, max_tokens=10, sampling=params), request(ids(71, 5), max_tokens=10)])
+    tokens = got[0][0]
+    assert tokens != cold(engine, tokenizer, request(prompt, max_tokens=10))
+    table = BreakerTables(tokenizer.token_bytes, tokenizer.vocab_size, tokenizer.encode).table(
+        params.dry_sequence_breakers)
+    history = list(prompt)
+    for token in tokens:
+        logits = np.asarray(engine.prefill(0, history, 0), np.float32)
+        penalty = reference_penalties(history, VOCAB, 2.0, 1.5, 1, 40, table.heads()).astype(np.float32)
+        assert int(np.argmax(logits - penalty)) == token
+        history.append(token)

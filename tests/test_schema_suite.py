@@ -94,13 +94,6 @@ def reorderings(value: Any, limit: int = 20) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    from core.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(default_gguf)
-
-
-@pytest.fixture(scope="module")
 def compiler(tokenizer):
     compiler = GrammarCompiler(tokenizer)
     compiler.warm_up()

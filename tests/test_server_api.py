@@ -870,3 +870,57 @@ def test_300_requests_at_once_get_only_200_or_429_with_retry_after(runtime):
     codes = [r.status_code for r in replies]
     assert set(codes) <= {200, 429} and codes.count(200) >= 16 and codes.count(429) > 0
     assert all(r.headers.get("retry-after") for r in replies if r.status_code == 429)
+
+
+DRY_ON = {"dry_multiplier": 1000.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1,
+          "dry_sequence_breakers": ["\u2603"]}
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses", "anthropic"])
+def test_dry_and_repetition_fields_work_on_every_api(server, api: str):
+    """The DRY fields (llama.cpp's names) and repetition_penalty reach the sampler from each API: a huge DRY
+    penalty changes what the looping random model says greedily, and a bad value is a 400 in the API's own
+    error shape."""
+    prompt = "one two three one two three one two"
+    paths = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+             "anthropic": "/v1/messages"}
+    bodies = {
+        "chat": {"model": "assistant", "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+                 "temperature": 0},
+        "completions": {"model": "assistant", "prompt": prompt, "max_tokens": 24, "temperature": 0},
+        "responses": {"model": "assistant", "input": prompt, "max_output_tokens": 24, "temperature": 0},
+        "anthropic": {"model": "assistant", "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+                      "temperature": 0},
+    }
+
+    def text(extra: dict) -> str:
+        r = post(server, paths[api], {**bodies[api], **extra})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if api == "chat":
+            return body["choices"][0]["message"]["content"]
+        if api == "completions":
+            return body["choices"][0]["text"]
+        if api == "responses":
+            return body["output"][0]["content"][0]["text"]
+        return body["content"][0]["text"]
+
+    plain = text({})
+    assert text({"repetition_penalty": 1.0}) == plain
+    assert text(DRY_ON) != plain
+    bad = post(server, paths[api], {**bodies[api], "dry_base": 0.5})
+    assert bad.status_code == 400, bad.text
+    error = bad.json()
+    assert (error["error"]["type"] == "invalid_request_error") and (api != "anthropic" or error["type"] == "error")
+    assert "dry_base" in json.dumps(error)
+
+
+def test_an_agents_dry_defaults_apply_and_a_request_overrides_them(runtime):
+    spec = AgentSpec(name="looper", system_prompt="x", defaults={"dry_multiplier": 0.8, "dry_allowed_length": 3,
+                                                                 "dry_sequence_breakers": ["\n"]})
+    service = ChatService(runtime, store=None)
+    params = service.sampling(spec, ChatParams(messages=USER))
+    assert (params.dry_multiplier, params.dry_allowed_length, params.dry_sequence_breakers) == (0.8, 3, ("\n",))
+    assert params.dry_base == 1.75 and params.dry_penalty_last_n == 64
+    override = service.sampling(spec, ChatParams(messages=USER, dry_multiplier=0.0))
+    assert not override.dry

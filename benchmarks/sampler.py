@@ -1,0 +1,116 @@
+"""The batched sampler step alone (8 rows x the 262k vocabulary, state donated as the engine runs it), per variant.
+
+    python3 benchmarks/sampler.py [--rows 8 --vocab 262144 --history 2048 --rounds 5 --iters 10]
+
+Variants: the cheap program (greedy, temperature, a grammar mask, logprobs), the full program (penalties,
+truncation) and the full program with DRY on in every row (llama.cpp's parameters 0.8 / 1.75 / 2, its default
+breakers; a window of 64 tokens and the whole slot), each row holding `--history` * 3/4 tokens of a random
+prompt that repeats. Rounds alternate the variants so drift on a noisy host hits all alike; the report gives
+each variant's median ms over all rounds and its ratio to "full, greedy" (the same program with DRY off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.agents_http import host  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
+
+BASELINE = "full, greedy"
+
+
+def variants() -> dict[str, tuple[dict, bool, dict]]:
+    """name -> (SamplingParams fields, masked, sample() static arguments)."""
+    dry_on = {"dry_multiplier": 0.8}
+    return {
+        "cheap, greedy": ({"temperature": 0.0}, False, {"needs_full": False}),
+        "cheap, greedy + mask": ({"temperature": 0.0}, True, {"needs_full": False}),
+        "cheap, temperature 0.7": ({"temperature": 0.7}, False, {"needs_full": False}),
+        BASELINE: ({"temperature": 0.0}, False, {}),
+        "full, greedy + penalties": ({"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.5,
+                                      "presence_penalty": 0.5}, False, {}),
+        "full, top_k 40 top_p 0.9": ({"temperature": 0.8, "top_k": 40, "top_p": 0.9}, False, {}),
+        "full, greedy + DRY (last 64)": ({"temperature": 0.0, **dry_on}, False, {}),
+        "full, greedy + DRY (whole slot)": ({"temperature": 0.0, **dry_on, "dry_penalty_last_n": -1}, False, {}),
+        "full, greedy + DRY (whole slot) + mask": ({"temperature": 0.0, **dry_on, "dry_penalty_last_n": -1}, True,
+                                                   {}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=262144)
+    p.add_argument("--history", type=int, default=2048, help="the slot length (the DRY history's size)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per variant per round")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/sampler-cpu.json"))
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from core import dry, sampling
+    from core.sampling import SamplingParams
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(args.rows, args.vocab)).astype(np.float32) * 3)
+    allowed = np.ones((args.rows, args.vocab), np.bool_)
+    allowed[:, rng.integers(0, args.vocab, args.vocab // 4)] = False
+    packed = jnp.asarray(sampling.pack_mask(allowed))
+    phrase = rng.integers(0, args.vocab, 40).tolist()
+    prompt = (phrase * (args.history // 40 + 1))[: args.history * 3 // 4]
+    breakers = np.array(sorted(rng.choice(args.vocab, 1300, replace=False)), np.int32)  # as many as Gemma's
+    limit = jnp.full((args.rows,), dry.RepeatLimit(dry.BreakerTable(breakers, {}), -1, prompt).limit, jnp.int32)
+    fn = jax.jit(sampling.sample, static_argnames=("num_top", "needs_full", "k_max"), donate_argnames=("state",))
+    active = jnp.ones((args.rows,), jnp.bool_)
+
+    states = {}
+    for name, (fields, masked, static) in variants().items():
+        state = sampling.init_state(args.rows, args.vocab, history=args.history)
+        for row in range(args.rows):
+            state = sampling.set_slot(state, row, SamplingParams(**fields), prompt, row, dry_breakers=breakers)
+        out = fn(logits, state, packed if masked else None, jnp.zeros((args.rows,), jnp.int32), active, limit,
+                 num_top=20, **static)
+        jax.block_until_ready(out)
+        states[name] = out[-1]
+
+    times: dict[str, list[float]] = {name: [] for name in states}
+    for _ in range(args.rounds):
+        for name, (_, masked, static) in variants().items():
+            for _ in range(args.iters):
+                begin = time.perf_counter()
+                # Each call appends a token to every DRY history (rounds x iters more than the prompt's).
+                out = fn(logits, states[name], packed if masked else None, jnp.zeros((args.rows,), jnp.int32),
+                         active, limit, num_top=20, **static)
+                jax.block_until_ready(out)
+                times[name].append(time.perf_counter() - begin)
+                states[name] = out[-1]
+    base = statistics.median(times[BASELINE])
+    report = {
+        "benchmark": "sampler",
+        "command": "python3 benchmarks/sampler.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": host(), "platform": jax.devices()[0].platform,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": args.rows, "vocab": args.vocab, "history": args.history, "prompt_tokens": len(prompt),
+        "rounds": args.rounds, "iters": args.iters, "baseline": BASELINE,
+        "variants": {name: {"median_ms": round(statistics.median(t) * 1e3, 3),
+                            "p90_ms": round(float(np.percentile(t, 90)) * 1e3, 3),
+                            "ratio_to_baseline": round(statistics.median(t) / base, 3)}
+                     for name, t in times.items()},
+    }
+    save_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
