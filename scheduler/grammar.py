@@ -44,6 +44,7 @@ from scheduler.grammar_outlines import OutlinesCoreBackend, OutlinesMatcher
 from scheduler.grammar_spec import ConstraintSpec, GrammarBusyError, UnsupportedConstraintError
 from scheduler.json_keys import KeyTracker, QuoteTokens, quote_tokens
 from scheduler.tool_protocol import TOOL_CALL_MARKER
+from scheduler.unique_items import SchemaNav, unique_nav
 
 # What the compiler does unless told otherwise (the server's config and the runtime read these).
 DEFAULT_BACKEND = "llguidance"
@@ -72,6 +73,7 @@ class CompiledGrammar:
     backend: str
     compile_s: float  # wall time of the compile itself
     handle: Any = field(repr=False, compare=False)  # LLMatcher template / outlines-core Index
+    unique: SchemaNav | None = field(default=None, repr=False, compare=False)  # arrays the host keeps unique
 
 
 class GrammarCompiler:
@@ -185,7 +187,8 @@ class GrammarCompiler:
             # answer format) is not JSON, so tracking starts at the first marker.
             calls = spec.kind == "tools"
             matcher.keys = KeyTracker(self.quote_tokens(), restart_at=TOOL_CALL_MARKER.encode() if calls else b"",
-                                      armed=not calls or spec.answer_schema is not None or spec.tool_mode != "auto")
+                                      armed=not calls or spec.answer_schema is not None or spec.tool_mode != "auto",
+                                      schema=compiled.unique)
         return matcher
 
     def quote_tokens(self) -> QuoteTokens:
@@ -220,7 +223,8 @@ class GrammarCompiler:
                 self._forget(spec, future)
                 self._settle(future, error=e)
             else:
-                compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle)
+                unique = unique_nav(spec) if self.backend == "llguidance" else None
+                compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle, unique)
                 self._settle(future, result=compiled)
         finally:
             with self._lock:

@@ -19,6 +19,7 @@ from scheduler.json_keys import KeyTracker
 from scheduler.schema_rewrite import rewrite
 from scheduler.schema_walk import iter_subschemas
 from scheduler.strict_schema import tighten, wants_strict
+from scheduler.unique_items import lift
 
 __all__ = ["Backend", "GrammarMatcher", "iter_subschemas", "mask_words", "prepare_schema"]
 
@@ -93,12 +94,13 @@ _COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "m
            "maxContains")  # fmt: skip
 
 
-def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[str] | None = None
-                   ) -> dict[str, Any]:
+def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[str] | None = None,
+                   lift_unique: bool = False) -> dict[str, Any]:
     """Normalize a schema before handing it to a backend (``schema`` is a private copy, mutated): rewritten
     exactly by `schema_rewrite.rewrite`, then narrowed by `strict_schema.tighten` (``bound_literals``:
-    numbers and second fractions too). ``formats``: the formats the backend asserts; any other is an annotation (as in
-    draft 2020-12) and dropped, so its strings are plain strings."""
+    numbers and second fractions too). ``formats``: the formats the backend asserts; any other is an annotation
+    (as in draft 2020-12) and dropped, so its strings are plain strings. ``lift_unique``: the `uniqueItems` the
+    host enforces (`scheduler.unique_items`) are left out of the grammar."""
     if schema is True:
         return {}
     if schema is False:
@@ -111,6 +113,8 @@ def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[
     # Rewrites first: their proofs (disjoint oneOf branches, what a closed object forbids) must hold for the
     # schema as written; the narrowing then applies to the rewritten branches too.
     rewrite(schema)
+    if lift_unique:
+        lift(schema)
     if strict:
         tighten(schema, numbers=bound_literals)
     for sub in iter_subschemas(schema):

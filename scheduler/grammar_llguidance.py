@@ -30,8 +30,9 @@ __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher", "fill_llguidance_masks", "l
 
 
 # The order in which a closing path tries one-character tokens outside a string: close an object or array, then
-# the shortest values, the separators, then any other character (a key's name; a regex's text).
-STRUCTURE_ORDER = '}]0"[{,:tfn'
+# the shortest values (other digits where a unique array already holds 0), the separators, then any other
+# character (a key's name; a regex's text).
+STRUCTURE_ORDER = '}]0"[{,:tfn123456789'
 # Inside a string: the closing quote, else content, letters and digits before punctuation (a pattern is more
 # often about word characters); content is taken round-robin (`Closers.content`), so a pattern that wants a
 # character the string lacks gets it after at most one pass over the alphabet.
@@ -54,7 +55,7 @@ class Closers:
 def closing_candidates(tokenizer: Tokenizer) -> Closers:
     """The one-character tokens of printable ASCII, in the orders `Closers` describes."""
     def ids(chars: str) -> tuple[int, ...]:
-        pieces = [tokenizer.encode(c, parse_special=False) for c in chars]
+        pieces = [tokenizer.encode(c, parse_special=False) for c in dict.fromkeys(chars)]  # each char once
         return tuple(p[0] for p in pieces if len(p) == 1)
 
     printable = "".join(chr(c) for c in range(32, 127))
@@ -240,7 +241,7 @@ def _tools_lark(spec: ConstraintSpec) -> str:
 def llguidance_grammar(spec: ConstraintSpec) -> str:
     """The llguidance grammar (JSON text) for ``spec``; validity is checked when a matcher is built."""
     if spec.kind in ("json_schema", "json_object"):
-        schema = prepare_schema(spec.schema, formats=ASSERTED_FORMATS)
+        schema = prepare_schema(spec.schema, formats=ASSERTED_FORMATS, lift_unique=spec.kind == "json_schema")
         return LLMatcher.grammar_from_json_schema(canonical_json(schema), overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.value)

@@ -20,29 +20,33 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 import numpy as np
 
+from scheduler.unique_items import SchemaNav, item_value
+
 QUOTE, BACKSLASH = 0x22, 0x5C
 OPEN_OBJECT, OPEN_ARRAY, CLOSERS, COMMA = 0x7B, 0x5B, (0x7D, 0x5D), 0x2C
+NUMBER_BYTES = frozenset(b"-+.0123456789eE")
 
 __all__ = ["KeyTracker", "QuoteTokens", "quote_tokens"]
 
 
 @dataclass(frozen=True)
 class QuoteTokens:
-    """Token ids [Q] whose bytes hold a quote, those bytes, how many quotes each holds ([Q]), and the
-    tokenizer's bytes of any token."""
+    """Token ids [Q] whose bytes hold a quote, how many quotes each holds ([Q]), and the tokenizer's bytes of
+    any token."""
 
     ids: np.ndarray
-    pieces: tuple[bytes, ...]
     quotes: np.ndarray
-    index: dict[int, int]  # token id -> its position in `ids`
     # Bitmask words [ceil(V/32)] of the tokens that would grow a document by a member or an item: outside a
     # string those holding `,`, `{` or `[`; inside one those that close it and then hold one of them.
     growth_outside: np.ndarray
     growth_inside: np.ndarray
+    quotes_or_item_ends: np.ndarray  # ids [n]: a quote, or `,` `]` `0` (what may end or start a number at 0)
     token_bytes: Callable[[int], bytes] = field(compare=False)
+    by_bytes: dict[bytes, list[int]] = field(default_factory=dict, compare=False)  # every token id by its bytes
     _at_least: dict[int, np.ndarray] = field(default_factory=dict, compare=False)
 
     def with_at_least(self, n: int) -> np.ndarray:
@@ -61,10 +65,14 @@ def quote_tokens(tokenizer) -> QuoteTokens:
     growth = re.compile(rb"[,{\[]")
     outside = [i for i, piece in enumerate(pieces) if growth.search(piece)]
     inside = [i for i, piece in found if growth.search(piece, piece.index(b'"'))]
-    return QuoteTokens(np.array([i for i, _ in found], np.int64), tuple(p for _, p in found),
-                       np.array([p.count(b'"') for _, p in found], np.int64),
-                       {i: n for n, (i, _) in enumerate(found)}, _bits(outside, len(pieces)),
-                       _bits(inside, len(pieces)), tokenizer.token_bytes)
+    item_end = re.compile(rb'["\],0]')
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, piece in enumerate(pieces):
+        by_bytes.setdefault(piece, []).append(i)
+    ends = [i for i, piece in enumerate(pieces) if item_end.search(piece)]
+    return QuoteTokens(np.array([i for i, _ in found], np.int64), np.array([p.count(b'"') for _, p in found], np.int64),
+                       _bits(outside, len(pieces)),
+                       _bits(inside, len(pieces)), np.array(ends, np.int64), tokenizer.token_bytes, by_bytes)
 
 
 def _bits(ids: list[int], vocab_size: int) -> np.ndarray:
@@ -83,29 +91,52 @@ def _decoded(raw: bytes) -> str | None:
 
 
 @dataclass
-class _Lexer:
-    """Where a JSON text stands, byte by byte: the open containers (an object's keys so far, or None for an
-    array), whether it is inside a string and whether that string is a key, the key's bytes so far. `fork` is
-    cheap: the forks share the objects' key sets until one adds a key (copy on write)."""
+class _Frame:
+    """An open container: an object's keys so far (`keys`, None for an array); for an array whose items must
+    be unique (`scheduler.unique_items`), the items so far; the schemas it is under when they are followed."""
 
-    frames: list[set[str] | None] = field(default_factory=list)
+    keys: set[str] | None
+    items: set[str | Decimal] | None = None
+    nodes: tuple = ()
+    index: int = 0  # an array's items begun before the current one
+    max_length: int | None = None  # a unique array's string items can not grow past this many characters
+
+    def copy(self) -> _Frame:
+        return _Frame(None if self.keys is None else set(self.keys),
+                      None if self.items is None else set(self.items), self.nodes, self.index, self.max_length)
+
+
+@dataclass
+class _Lexer:
+    """Where a JSON text stands, byte by byte: the open containers, whether it is inside a string and whether
+    that string is a key (or an item of a unique array), the string's or number's bytes so far. `fork` is
+    cheap: the forks share frames until one changes one (copy on write). With `schema` (unique arrays to
+    enforce) each container is told its schemas."""
+
+    frames: list[_Frame] = field(default_factory=list)
     owned: list[bool] = field(default_factory=list)  # frames[i] may be changed in place
     in_string: bool = False
     escape: bool = False
     is_key: bool = False
+    is_item: bool = False  # the string is an item of a unique array
     expect_key: bool = False
-    key: bytearray = field(default_factory=bytearray)
+    key: bytearray = field(default_factory=bytearray)  # a key's or a unique item's bytes so far
+    number: bytearray = field(default_factory=bytearray)  # a unique array's number item so far
+    last_key: str | None = None
+    schema: SchemaNav | None = None
 
     def fork(self) -> _Lexer:
         return _Lexer(list(self.frames), [False] * len(self.frames), self.in_string, self.escape, self.is_key,
-                      self.expect_key, bytearray(self.key))
+                      self.is_item, self.expect_key, bytearray(self.key), bytearray(self.number), self.last_key,
+                      self.schema)
 
     def repeats_in(self, data: bytes) -> bool:
-        """Advance over ``data``; True when it closed a key on one its object already had."""
+        """Advance over ``data``; True when it closed a key on one its object already had, or completed an item
+        its unique array already had."""
         return any([self.step(b) for b in data])
 
     def step(self, b: int) -> bool:
-        """Advance one byte; True when it closed a key its object already had."""
+        """Advance one byte; True when it closed a key its object already had (or a repeated unique item)."""
         if self.in_string:
             if self.escape:
                 self.escape = False
@@ -113,39 +144,96 @@ class _Lexer:
                 self.escape = True
             elif b == QUOTE:
                 self.in_string = False
+                if self.is_item:
+                    return self._add_item(_decoded(bytes(self.key)))
                 return self.is_key and self._add_key()
-            if self.is_key:
+            if self.is_key or self.is_item:
                 self.key.append(b)
-            return False
+            return self.is_item and self._full_repeat()
+        if self.number and b not in NUMBER_BYTES:
+            repeated = self._add_item(item_value(bytes(self.number)))
+            self.number.clear()
+            return self._structural(b) or repeated
+        return self._structural(b)
+
+    def _structural(self, b: int) -> bool:
+        top = self.frames[-1] if self.frames else None
         if b == QUOTE:
-            top_is_object = bool(self.frames) and self.frames[-1] is not None
-            self.in_string, self.is_key, self.expect_key = True, top_is_object and self.expect_key, False
+            top_is_object = top is not None and top.keys is not None
+            self.is_key = top_is_object and self.expect_key
+            self.is_item = top is not None and top.items is not None
+            self.in_string, self.expect_key = True, False
             self.key.clear()
         elif b in (OPEN_OBJECT, OPEN_ARRAY):
-            self.frames.append(set() if b == OPEN_OBJECT else None)
-            self.owned.append(True)
-            self.expect_key = b == OPEN_OBJECT
+            self._open(b)
         elif b in CLOSERS:
             if self.frames:
                 self.frames.pop()
                 self.owned.pop()
             self.expect_key = False
         elif b == COMMA:
-            self.expect_key = bool(self.frames) and self.frames[-1] is not None
+            self.expect_key = top is not None and top.keys is not None
+            if top is not None and top.keys is None and self.schema is not None:
+                self._mine().index += 1
+        elif b in NUMBER_BYTES and top is not None and top.items is not None:
+            self.number.append(b)
+            # 0 and -0 can not grow into another whole number: starting one is a repeat if 0 is there.
+            return bytes(self.number) in (b"0", b"-0") and Decimal(0) in top.items
         return False
 
+    def _open(self, b: int) -> None:
+        nodes: tuple = ()
+        if self.schema is not None:
+            parent = self.frames[-1] if self.frames else None
+            if parent is None:
+                nodes = self.schema.top()
+            elif parent.keys is not None:
+                nodes = self.schema.member(parent.nodes, self.last_key) if self.last_key is not None else ()
+            else:
+                nodes = self.schema.item(parent.nodes, parent.index)
+        unique = b == OPEN_ARRAY and self.schema is not None and self.schema.unique(nodes)
+        longest = self.schema.item_max_length(nodes) if unique else None
+        self.frames.append(_Frame(set() if b == OPEN_OBJECT else None, set() if unique else None, nodes,
+                                  max_length=longest))
+        self.owned.append(True)
+        self.expect_key = b == OPEN_OBJECT
+
+    def _mine(self) -> _Frame:
+        """The top frame, copied first if a fork shares it."""
+        if not self.owned[-1]:
+            self.frames[-1], self.owned[-1] = self.frames[-1].copy(), True
+        return self.frames[-1]
+
     def _add_key(self) -> bool:
-        if not self.frames or self.frames[-1] is None:
+        if not self.frames or self.frames[-1].keys is None:
             return False
         name = _decoded(bytes(self.key))
         if name is None:
             return False
-        if name in self.frames[-1]:
+        self.last_key = name
+        if name in self.frames[-1].keys:
             return True
-        if not self.owned[-1]:
-            self.frames[-1], self.owned[-1] = set(self.frames[-1]), True
-        self.frames[-1].add(name)
+        self._mine().keys.add(name)
         return False
+
+    def _full_repeat(self) -> bool:
+        """A unique array's string item at its maxLength (it can only close now) equal to one the array holds."""
+        top = self.frames[-1]
+        if top.max_length is None or len(self.key) < top.max_length:  # fewer bytes than characters: not yet
+            return False
+        text = _decoded(bytes(self.key))
+        return text is not None and len(text) == top.max_length and text in top.items
+
+    def _add_item(self, value: str | Decimal | None) -> bool:
+        if value is None or not self.frames or self.frames[-1].items is None:
+            return False
+        if value in self.frames[-1].items:
+            return True
+        self._mine().items.add(value)
+        return False
+
+    def in_unique_array(self) -> bool:
+        return any(frame.items is not None for frame in self.frames)
 
 
 @dataclass
@@ -157,8 +245,12 @@ class KeyTracker:
     quotes: QuoteTokens
     restart_at: bytes = b""
     armed: bool = True
+    schema: SchemaNav | None = None  # unique arrays to enforce (`scheduler.unique_items`)
     lexer: _Lexer = field(default_factory=_Lexer)
     _tail: bytes = b""  # the last bytes seen, to find `restart_at` across token boundaries
+
+    def __post_init__(self) -> None:
+        self.lexer.schema = self.schema
 
     def feed_token(self, token: int) -> None:
         """Advance over an accepted (non-stop) token."""
@@ -171,46 +263,71 @@ class KeyTracker:
             at = seen.rfind(self.restart_at)
             self._tail = seen[-len(self.restart_at):]
             if at >= 0:  # a new call: a new document from here
-                self.lexer, self.armed = _Lexer(), True
+                self.lexer, self.armed = _Lexer(schema=self.schema), True
                 data = seen[at + len(self.restart_at):]
         if self.armed:
             self.lexer.repeats_in(data)
 
     def drop_repeats(self, row_mask: np.ndarray) -> int:
         """Clear from ``row_mask`` ([ceil(V/32)] uint32, the grammar's) the tokens that would close a key on one
-        its object already has, unless that would leave no token; how many were cleared."""
+        its object already has or complete an item its unique array holds; how many were cleared. Where that
+        would leave no token, a repeated key is let through (the schemas where that could matter are refused)
+        but a repeated item is not: the row is left with no token, which ends the request with an error."""
         repeats = self.repeating(row_mask)
         if not repeats:
             return 0
         ids = np.asarray(repeats, np.int64)
         kept = row_mask.copy()
         np.bitwise_and.at(kept, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
-        if not kept.any():
+        if not kept.any() and not self.lexer.in_unique_array():
             return 0
         row_mask[:] = kept
         return len(repeats)
 
     def repeating(self, row_mask: np.ndarray) -> list[int]:
         """The allowed tokens (bits of ``row_mask``, [ceil(V/32)] uint32) that would close a key on one its
-        object already has."""
+        object already has, or complete an item its unique array already has."""
         lexer, quotes = self.lexer, self.quotes
-        if not self.armed or not any(lexer.frames):
-            return []  # no object has a key yet: nothing can repeat
-        # A token can close a key on a used one if it closes the key being written (one quote: only when a used
-        # key starts like it), or opens and closes one (two quotes), or ends the string it is in first (three).
-        needed = 1 if self._key_may_repeat() else 3 if lexer.in_string and not lexer.is_key else 2
-        candidates = quotes.with_at_least(needed) if needed > 1 else quotes.ids
+        if not self.armed:
+            return []
+        if lexer.in_unique_array():
+            candidates = self._item_candidates()
+        elif any(frame.keys for frame in lexer.frames):
+            # A token can close a key on a used one if it closes the key being written (one quote: only when a
+            # used key starts like it), or opens and closes one (two quotes), or ends the string it is in first
+            # (three).
+            needed = 1 if self._key_may_repeat() else 3 if lexer.in_string and not lexer.is_key else 2
+            candidates = quotes.with_at_least(needed) if needed > 1 else quotes.ids
+        else:
+            return []  # no object has a key yet and no unique array is open: nothing can repeat
         allowed = candidates[(row_mask[candidates >> 5] >> (candidates & 31).astype(np.uint32)) & 1 == 1]
-        return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.pieces[quotes.index[token]])]
+        return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]
+
+    def _item_candidates(self) -> np.ndarray:
+        """Inside a unique array every quote token may close a string item (or a key), and a token that fills
+        a string item to its maxLength on a used item (spelled plainly); outside a string, a token that ends a
+        number item (`,` `]`) or starts one at 0 may also repeat one."""
+        lexer = self.lexer
+        if not lexer.in_string:
+            return self.quotes.quotes_or_item_ends
+        top = lexer.frames[-1] if lexer.frames else None
+        if not lexer.is_item or top is None or top.max_length is None:
+            return self.quotes.ids
+        fills = []
+        for item in top.items:
+            spelled = json.dumps(item, ensure_ascii=False)[1:-1].encode() if isinstance(item, str) else b""
+            if len(item) == top.max_length and spelled.startswith(lexer.key) and len(spelled) > len(lexer.key):
+                fills += self.quotes.by_bytes.get(spelled[len(lexer.key):], [])
+        return np.union1d(self.quotes.ids, np.array(fills, np.int64)) if fills else self.quotes.ids
 
     def _key_may_repeat(self) -> bool:
         """Inside a key that a used key of its object starts with (as far as its bytes decode): any quote
         token may close it on that key; otherwise only a token holding several quotes can close a key."""
         lexer = self.lexer
-        if not (lexer.in_string and lexer.is_key and lexer.frames and lexer.frames[-1]):
+        if not (lexer.in_string and lexer.is_key and lexer.frames and lexer.frames[-1].keys):
             return False
         prefix = _decoded(bytes(lexer.key))
-        return prefix is None or any(name.startswith(prefix) for name in lexer.frames[-1])
+        return prefix is None or any(name.startswith(prefix) for name in lexer.frames[-1].keys)
 
     def growth(self) -> np.ndarray | None:
         """Bitmask words of the tokens that would add a member or an item from where the document stands

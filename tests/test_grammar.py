@@ -767,3 +767,28 @@ def test_unique_items_on_short_arrays_booleans_and_small_enums_is_enforced(compi
     colors = {"type": "array", "items": {"enum": ["red", "blue", 3]}, "uniqueItems": True, "minItems": 2}
     agrees_with_jsonschema(compiler, tokenizer, colors, [["red"], ["red", 3], [3, "blue", "red"], ["red", "red"],
                                                          ["blue", 3, 3]])
+
+
+@pytest.mark.parametrize("items", [{"type": "string"}, {"type": "integer", "minimum": 0},
+                                   {"type": ["number", "string"]}, {"$ref": "#/$defs/word"},
+                                   {"type": "string", "minLength": 2, "maxLength": 40}])
+def test_unique_items_over_open_strings_and_numbers_compiles_with_the_host_enforcing_it(compiler, items):
+    schema = {"type": "array", "items": items, "uniqueItems": True, "$defs": {"word": {"type": "string"}}}
+    compiled = compiler.compile(ConstraintSpec.json_schema(schema))
+    assert compiled.unique is not None and compiled.unique.unique(compiled.unique.top())
+
+
+@pytest.mark.parametrize("items", [{"type": "string", "pattern": "^[ab]$"}, {"type": "string", "format": "date"},
+                                   {"type": "integer", "maximum": 5},
+                                   {"enum": [1, 2, 3, 4]}, {"type": "object"}, {"type": ["string", "null"]},
+                                   {"type": "number", "multipleOf": 2}])
+def test_unique_items_over_item_spaces_that_can_run_out_stays_refused(compiler, items):
+    """Masking a repeat there could leave no valid token (all of a pattern's strings used), so it is refused,
+    as in a tool's parameters and on the outlines-core backend."""
+    with pytest.raises(UnsupportedConstraintError, match="uniqueItems"):
+        compiler.compile(ConstraintSpec.json_schema({"type": "array", "items": items, "uniqueItems": True}))
+    params = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}}
+    with pytest.raises(UnsupportedConstraintError, match="uniqueItems"):
+        compiler.compile(ConstraintSpec.tools([{"type": "function", "function": {"name": "f", "parameters": params}}],
+                                              "required"))

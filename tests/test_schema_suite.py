@@ -142,8 +142,11 @@ def narrowed_accepts(schema: dict[str, Any], value: Any) -> bool:
 
 def test_every_schema_is_refused_or_enforced_exactly(compiler, tokenizer, capsys):
     def accepts(compiled, value: Any) -> bool:
-        matcher = compiler.matcher(compiled)
-        return matcher.consume_tokens(tokenizer.encode(dumps(value))) and matcher.is_accepting()
+        """The grammar takes the document and the host's tracker (no repeated key or unique item) lets it be."""
+        matcher, text = compiler.matcher(compiled), dumps(value)
+        if not (matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()):
+            return False
+        return matcher.keys is None or not matcher.keys.lexer.fork().repeats_in(text.encode())
 
     def exclusion(case: Case, compiled, value: Any) -> str | None:
         """Why a valid document the grammar refuses is a documented, safe-direction exclusion."""

@@ -142,6 +142,11 @@ CLOSABLE = [
                                       "label": {"type": "string", "pattern": "[A-Z]"}},
      "required": ["language", "label"]},
     {"description": "anything"},
+    # Unique arrays (scheduler/unique_items.py): a closing path never completes an item the array holds.
+    {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True,
+                                              "minItems": 3},
+                                      "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True,
+                                               "minItems": 2}}, "required": ["ids", "tags"]},
 ]
 
 
@@ -157,6 +162,7 @@ def test_closing_paths_end_every_document_validly_from_any_point(setup):
             for _ in range(int(rng.integers(0, 30))):  # a random prefix the grammar allows
                 mask = np.zeros((1, (VOCAB + 31) // 32), np.uint32)
                 fill_masks([(matcher, 0)], mask)
+                matcher.keys.drop_repeats(mask[0])  # as the scheduler does
                 allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
                 allowed = [t for t in allowed if t not in compiler.stop_ids]
                 if not allowed or matcher.is_finished():
@@ -308,3 +314,90 @@ def test_the_grammar_itself_writes_a_declared_property_at_most_once(setup, addit
         return
     assert matcher.consume(tokenizer.encode("a")[0])  # "a" may start an additional key ("ab")...
     assert not any(piece.startswith('"') for piece in allowed())  # ...but the key "a" cannot close again
+
+
+UNIQUE_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["tags", "ids"],
+    "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "minItems": 2},
+                   "ids": {"type": "array", "items": {"$ref": "#/$defs/id"}, "uniqueItems": True, "minItems": 2}},
+    "$defs": {"id": {"type": "integer", "minimum": 0}},
+}
+
+
+def repeated_items(document: object) -> bool:
+    """Some array in the document holds two equal items (as JSON Schema compares them)."""
+    if isinstance(document, dict):
+        return any(repeated_items(v) for v in document.values())
+    if isinstance(document, list):
+        seen = [json.dumps(v, sort_keys=True) if not isinstance(v, int | float) else float(v) for v in document]
+        return len(set(seen)) != len(seen) or any(repeated_items(v) for v in document)
+    return False
+
+
+def test_a_unique_array_cannot_complete_an_item_it_holds(setup):
+    """uniqueItems over strings and numbers compiles (the grammar without it) and the tracker removes exactly
+    the tokens that would complete an item already in that array: strings compared decoded, numbers by value,
+    0 (which can not grow) at its first digit; other arrays and values are free."""
+    _, tokenizer, compiler = setup
+    everything = np.full((VOCAB + 31) // 32, 0xFFFFFFFF, np.uint32)
+    compiled = compiler.compile(ConstraintSpec.json_schema(UNIQUE_SCHEMA))
+    assert compiled.unique is not None
+
+    def completing(document: bytes) -> set[str]:
+        tracker = compiler.matcher(compiled).keys
+        tracker.feed(document)
+        return {tokenizer.decode([t]) for t in tracker.repeating(everything)}
+
+    assert {'"', '",', '"]'} <= completing(b'{"tags":["ab","c\\u0064","ab')
+    assert '"' in completing(b'{"tags":["ab","cd","cd')  # "c\u0064" is "cd"
+    # "abc" is new: only a token that then writes the empty string twice ('""""""') repeats an item.
+    assert all(piece.count('"') >= 6 for piece in completing(b'{"tags":["ab","cd","abc'))
+    assert {",", "]"} <= completing(b'{"tags":["a","b","c"],"ids":[10,2,10')
+    assert "," in completing(b'{"tags":["a","b","c"],"ids":[10,2.0,2')  # 2 == 2.0
+    assert "0" in completing(b'{"tags":["a","b","c"],"ids":[0,')
+    assert not {piece for piece in completing(b'{"tags":["a","b","c"],"ids":[10,2,1') if '"' not in piece}
+    short = compiler.matcher(compiler.compile(ConstraintSpec.json_schema(
+        {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True}))).keys
+    short.feed(b'["ab","a')  # "ab" could only close: its last character is the repeat
+    found = {tokenizer.decode([t]) for t in short.repeating(everything)}
+    assert "b" in found and not {'"', "c", '",'} & found  # "a" and "ac" are new
+    only_b = np.zeros_like(everything)
+    b = tokenizer.encode("b")[0]
+    only_b[b >> 5] = np.uint32(1) << np.uint32(b & 31)
+    assert short.drop_repeats(only_b) == 1 and not only_b.any()  # a repeat is never let through: no token
+    free = compiler.matcher(compiler.compile(ConstraintSpec.json_schema(
+        {"type": "array", "items": {"type": "string"}}))).keys
+    free.feed(b'["ab","ab')
+    assert not free.repeating(everything)
+
+
+def test_unique_arrays_never_repeat_an_item(setup):
+    """A random model pushed (logit_bias) to write one short string and one number again and again repeats
+    items without the tracker, never with it; every output validates, uniqueness included."""
+    engine, tokenizer, compiler = setup
+    compiled = compiler.compile(ConstraintSpec.json_schema(UNIQUE_SCHEMA))
+    bias = tuple((tokenizer.encode(text)[0], 7.0) for text in ("a", '","', "7", ",", "]"))
+
+    def outputs(track: bool) -> list[str]:
+        reqs = []
+        for i in range(8):
+            matcher = compiler.matcher(compiled)
+            matcher.keys = matcher.keys if track else None
+            reqs.append(GenerationRequest(prompt(800 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
+                                          max_tokens=64, constraint=matcher))
+        return [text for _, text, _ in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs)]
+
+    untracked = [json.loads(text) for text in outputs(track=False) if _parses(text)]
+    assert sum(repeated_items(doc) for doc in untracked) >= 2
+    for text in outputs(track=True):
+        document = json.loads(text)
+        assert not repeated_items(document), text
+        jsonschema.validate(document, UNIQUE_SCHEMA)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
