@@ -72,8 +72,9 @@ def constraint_masks(engine: Engine, rows: list[tuple[Sequence, int]], n_rows: i
     begin = time.perf_counter()
     fill_masks([(seq.request.constraint, row) for seq, row in constrained], mask)
     for seq, row in constrained:
-        if seq.request.constraint.keys is not None:
-            seq.request.constraint.keys.drop_repeats(mask[row])
+        keys = seq.request.constraint.keys
+        if keys is not None and keys.checks:
+            keys.drop_repeats(mask[row])
         if seq.budget is not None:
             seq.budget.narrow(seq.request.constraint, len(seq.generated), seq.max_tokens, mask[row])
     out.mask_fills.append((time.perf_counter() - begin, len(constrained)))

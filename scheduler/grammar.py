@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from core.tokenizer import Tokenizer
-from scheduler.grammar_backends import Backend, GrammarMatcher, mask_words
+from scheduler.grammar_backends import Backend, GrammarMatcher, mask_words, repeats_possible
 from scheduler.grammar_llguidance import (
     LLGuidanceBackend,
     LLGuidanceMatcher,
@@ -74,6 +74,7 @@ class CompiledGrammar:
     compile_s: float  # wall time of the compile itself
     handle: Any = field(repr=False, compare=False)  # LLMatcher template / outlines-core Index
     unique: SchemaNav | None = field(default=None, repr=False, compare=False)  # arrays the host keeps unique
+    repeats_possible: bool = True  # some key or unique item could repeat: the host's tracker checks each step
 
 
 class GrammarCompiler:
@@ -188,7 +189,7 @@ class GrammarCompiler:
             calls = spec.kind == "tools"
             matcher.keys = KeyTracker(self.quote_tokens(), restart_at=TOOL_CALL_MARKER.encode() if calls else b"",
                                       armed=not calls or spec.answer_schema is not None or spec.tool_mode != "auto",
-                                      schema=compiled.unique)
+                                      schema=compiled.unique, checks=compiled.repeats_possible)
         return matcher
 
     def quote_tokens(self) -> QuoteTokens:
@@ -224,7 +225,8 @@ class GrammarCompiler:
                 self._settle(future, error=e)
             else:
                 unique = unique_nav(spec) if self.backend == "llguidance" else None
-                compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle, unique)
+                compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle, unique,
+                                           repeats_possible(spec))
                 self._settle(future, result=compiled)
         finally:
             with self._lock:

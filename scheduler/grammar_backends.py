@@ -21,7 +21,7 @@ from scheduler.schema_walk import iter_subschemas
 from scheduler.strict_schema import tighten, wants_strict
 from scheduler.unique_items import lift
 
-__all__ = ["Backend", "GrammarMatcher", "iter_subschemas", "mask_words", "prepare_schema"]
+__all__ = ["Backend", "GrammarMatcher", "iter_subschemas", "mask_words", "prepare_schema", "repeats_possible"]
 
 
 def mask_words(vocab_size: int) -> int:
@@ -131,3 +131,33 @@ def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[
                 "minProperties", ">= 2 with additional or pattern properties (duplicate keys not excluded)"
             )
     return schema
+
+
+# Keywords that neither admit nor forbid keys by themselves: a node holding only these leaves it to its branches.
+_PASS_THROUGH = frozenset({"anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "$schema", "$id", "$comment",
+                           "title", "description", "default", "examples", "x-slotserve"})
+
+
+def repeats_possible(spec: ConstraintSpec) -> bool:
+    """Whether a document of ``spec`` could repeat a key or a unique item, so the host's tracker must check
+    (`scheduler.json_keys`): some object admits keys it does not declare, or the host enforces a unique array.
+    Judged on the schema as the grammar gets it (closed objects after the strict narrowing); tool calls and
+    json_object always check."""
+    if spec.kind in ("json_object", "tools"):
+        return True
+    if spec.kind != "json_schema":
+        return False
+    try:
+        schema = prepare_schema(spec.schema, lift_unique=True)
+    except UnsupportedConstraintError:
+        return True
+    if '"uniqueItems"' in spec.value:
+        return True
+    for node in iter_subschemas(schema):
+        kinds = node.get("type")
+        may_be_object = kinds is None or kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
+        if not may_be_object or (node and set(node) <= _PASS_THROUGH):
+            continue
+        if node.get("patternProperties") or node.get("additionalProperties", True) is not False:
+            return True
+    return False

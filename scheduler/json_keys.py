@@ -246,6 +246,7 @@ class KeyTracker:
     restart_at: bytes = b""
     armed: bool = True
     schema: SchemaNav | None = None  # unique arrays to enforce (`scheduler.unique_items`)
+    checks: bool = True  # False: nothing can repeat (closed objects only); the lexer still serves closing paths
     lexer: _Lexer = field(default_factory=_Lexer)
     _tail: bytes = b""  # the last bytes seen, to find `restart_at` across token boundaries
 
@@ -288,7 +289,7 @@ class KeyTracker:
         """The allowed tokens (bits of ``row_mask``, [ceil(V/32)] uint32) that would close a key on one its
         object already has, or complete an item its unique array already has."""
         lexer, quotes = self.lexer, self.quotes
-        if not self.armed:
+        if not self.armed or not self.checks:
             return []
         if lexer.in_unique_array():
             candidates = self._item_candidates()

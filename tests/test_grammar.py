@@ -792,3 +792,20 @@ def test_unique_items_over_item_spaces_that_can_run_out_stays_refused(compiler, 
     with pytest.raises(UnsupportedConstraintError, match="uniqueItems"):
         compiler.compile(ConstraintSpec.tools([{"type": "function", "function": {"name": "f", "parameters": params}}],
                                               "required"))
+
+
+@pytest.mark.parametrize(("schema", "possible"), [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, False),  # closed by the strict narrowing
+    ({"anyOf": [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "null"}]}, False),
+    ({"type": "object", "properties": {"a": {"type": "object", "additionalProperties": {"type": "string"}}}}, True),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, True),
+    ({"type": "array", "items": {}}, True),  # an item may be any object
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "x-slotserve": {"strict": False}}, True),
+])
+def test_the_repeat_tracker_checks_only_where_a_key_or_an_item_could_repeat(compiler, schema, possible):
+    """Where every object is closed and no array must be unique, nothing can repeat: the tracker skips its
+    per-step check (no cost on such schemas) and only follows the document for closing paths."""
+    compiled = compiler.compile(ConstraintSpec.json_schema(schema))
+    assert compiled.repeats_possible is possible
+    assert compiler.matcher(compiled).keys.checks is possible

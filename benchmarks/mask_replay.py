@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Grammar-mask time per constrained token, the same tokens replayed with and without the host's key tracker.
+
+    python3 benchmarks/mask_replay.py [--rounds 3]
+
+The vendored JSONSchemaBench sample's valid documents (each one that its compiled grammar takes as written,
+compactly) are tokenized and replayed 8 at a time, as the scheduler fills masks for 8 slots: per step one
+batched grammar fill (llguidance, parallel) and then, in the "tracker" mode, each row's
+`KeyTracker.drop_repeats` (no repeated key, no repeated unique item: scheduler/json_keys.py). Both modes see
+exactly the same token sequences, alternating by round, so the ratio is the tracker's own cost, free of the
+token-mix differences between two live runs. Reports per-row fill time p50/p90/p99 (ms) per mode and the
+ratios. Results: benchmarks/results/mask-replay-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.agents_http import host  # noqa: E402 - after the path set-up that makes it importable
+from benchmarks.report import save_report  # noqa: E402
+
+SUITE = ROOT / "tests" / "data" / "json-schema" / "jsonschemabench-sample"
+ROWS = 8
+
+
+def documents(compiler: Any, tokenizer: Any) -> list[tuple[Any, list[int]]]:
+    """(compiled grammar, token ids) for every valid sample document its grammar takes as written."""
+    from scheduler.grammar_spec import ConstraintSpec, UnsupportedConstraintError
+
+    out = []
+    for path in sorted(SUITE.glob("*.json")):
+        case = json.loads(path.read_text())
+        try:
+            compiled = compiler.compile(ConstraintSpec.json_schema(case["schema"]))
+        except UnsupportedConstraintError:
+            continue
+        for test in case.get("tests", []):
+            if not test.get("valid"):
+                continue
+            ids = tokenizer.encode(json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False))
+            matcher = compiler.matcher(compiled)
+            if matcher.consume_tokens(ids) and matcher.is_accepting():
+                out.append((compiled, ids))
+    return out
+
+
+def replay(compiler: Any, batch: list[tuple[Any, list[int]]], tracker: bool, words: int) -> list[float]:
+    """Per-row seconds of each step's mask fill over one batch of documents replayed in lockstep."""
+    from scheduler.grammar import fill_masks
+
+    matchers = [compiler.matcher(compiled) for compiled, _ in batch]
+    mask = np.zeros((ROWS, words), np.uint32)
+    times = []
+    for step in range(max(len(ids) for _, ids in batch)):
+        live = [(m, row, ids) for row, (m, (_, ids)) in enumerate(zip(matchers, batch, strict=True))
+                if step < len(ids)]
+        begin = time.perf_counter()
+        fill_masks([(m, row) for m, row, _ in live], mask)
+        if tracker:
+            for m, row, _ in live:  # as scheduler.executor.constraint_masks does
+                if m.keys is not None and m.keys.checks:
+                    m.keys.drop_repeats(mask[row])
+        times.append((time.perf_counter() - begin) / len(live))
+        for m, _, ids in live:
+            assert m.consume(ids[step])
+            if m.keys is not None:
+                m.keys.feed_token(ids[step])
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mask-replay-cpu.json"))
+    args = p.parse_args(argv)
+    from core.loaders.open import default_gguf_path
+    from core.tokenizer import Tokenizer
+    from scheduler.grammar import GrammarCompiler
+
+    tokenizer = Tokenizer.from_pretrained(default_gguf_path())
+    compiler = GrammarCompiler(tokenizer)
+    compiler.warm_up()
+    docs = documents(compiler, tokenizer)
+    words = -(-compiler.vocab_size // 32)
+    batches = [docs[i:i + ROWS] for i in range(0, len(docs), ROWS)]
+    times: dict[str, list[float]] = {"grammar": [], "tracker": []}
+    for _ in range(args.rounds):
+        for mode in ("grammar", "tracker"):
+            for batch in batches:
+                times[mode] += replay(compiler, batch, mode == "tracker", words)
+
+    def stats(values: list[float]) -> dict[str, float]:
+        ms = np.asarray(values) * 1e3
+        return {"p50_ms": round(float(np.percentile(ms, 50)), 4), "p90_ms": round(float(np.percentile(ms, 90)), 4),
+                "p99_ms": round(float(np.percentile(ms, 99)), 4), "mean_ms": round(statistics.fmean(ms), 4)}
+
+    result = {name: stats(values) for name, values in times.items()}
+    report = {
+        "what": __doc__.split("\n\n")[0], "host": host(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
+                                     capture_output=True).stdout.strip(),
+        "documents": len(docs), "tokens": sum(len(ids) for _, ids in docs), "rounds": args.rounds,
+        "per_row_fill": result,
+        "tracker_over_grammar": {k: round(result["tracker"][k] / result["grammar"][k], 3) for k in result["grammar"]},
+    }
+    save_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
