@@ -444,7 +444,8 @@ def test_generation_with_every_sampler_variant_compiles_nothing_new(engine, toke
 def test_a_dry_request_follows_its_definition_through_the_scheduler(engine, tokenizer):
     """A greedy DRY request (llama.cpp's default breakers) batched with a plain one: each token is the argmax
     of the cold prefill's logits lowered by DRY's penalties as tests/test_dry.py defines them, the first
-    token (sampled after the prefill) included, and DRY changes what the model says."""
+    token (sampled after the prefill) included; DRY changes what the model says, and a prefix-cache hit gives
+    the same output."""
     from test_dry import reference_penalties
 
     from core.dry import BreakerTables
@@ -453,9 +454,12 @@ def test_a_dry_request_follows_its_definition_through_the_scheduler(engine, toke
     params = SamplingParams(temperature=0.0, dry_multiplier=2.0, dry_base=1.5, dry_allowed_length=1,
                             dry_penalty_last_n=40)
     sched = make(engine, tokenizer)
-    got = run_all(sched, [request(prompt, max_tokens=10, sampling=params), request(ids(71, 5), max_tokens=10)])
+    got = run_all(sched, [request(prompt, max_tokens=10, sampling=params, session="d"),
+                          request(ids(71, 5), max_tokens=10)])
     tokens = got[0][0]
     assert tokens != cold(engine, tokenizer, request(prompt, max_tokens=10))
+    again = run_all(sched, [request(prompt, max_tokens=10, sampling=params, session="d")])[0]
+    assert again[2].usage.cached_tokens > 0 and again[0] == tokens  # a cache hit: the same DRY output
     table = BreakerTables(tokenizer.token_bytes, tokenizer.vocab_size, tokenizer.encode).table(
         params.dry_sequence_breakers)
     history = list(prompt)
