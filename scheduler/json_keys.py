@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
+from functools import lru_cache
 
 import numpy as np
 
@@ -35,25 +36,43 @@ __all__ = ["KeyTracker", "QuoteTokens", "quote_tokens"]
 
 @dataclass(frozen=True)
 class QuoteTokens:
-    """Token ids [Q] whose bytes hold a quote, how many quotes each holds ([Q]), and the tokenizer's bytes of
-    any token."""
+    """Token ids [Q] whose bytes hold a quote, the texts each could close a string on, and the tokenizer's
+    bytes of any token."""
 
     ids: np.ndarray
-    quotes: np.ndarray
+    # Decoded text between any two quotes of a token -> the tokens holding it so: only those can close a
+    # string they also open on a given key or item.
+    enclosing: dict[str, list[int]]
+    by_head: dict[bytes, list[int]]  # a quote token's bytes before its first quote -> the tokens
+    escaped_heads: frozenset[int]  # the quote tokens whose bytes before the first quote hold a backslash
     # Bitmask words [ceil(V/32)] of the tokens that would grow a document by a member or an item: outside a
     # string those holding `,`, `{` or `[`; inside one those that close it and then hold one of them.
     growth_outside: np.ndarray
     growth_inside: np.ndarray
-    quotes_or_item_ends: np.ndarray  # ids [n]: a quote, or `,` `]` `0` (what may end or start a number at 0)
+    number_ends: np.ndarray  # ids [n] holding `,` `]` or `0` (what may end a number, or start one at 0)
+    quoted_number_ends: np.ndarray  # those of them that also hold a quote
     token_bytes: Callable[[int], bytes] = field(compare=False)
     by_bytes: dict[bytes, list[int]] = field(default_factory=dict, compare=False)  # every token id by its bytes
-    _at_least: dict[int, np.ndarray] = field(default_factory=dict, compare=False)
 
-    def with_at_least(self, n: int) -> np.ndarray:
-        """The ids of the tokens holding at least ``n`` quotes (2 or 3: kept, they are asked for every step)."""
-        found = self._at_least.get(n)
-        if found is None:
-            found = self._at_least[n] = self.ids[self.quotes >= n]
+    def enclosing_any(self, texts: Iterable[str]) -> set[int]:
+        """The ids of the tokens that hold one of ``texts`` between two of their quotes."""
+        return {i for text in texts for i in self.enclosing.get(text, ())}
+
+    def closing_on(self, written: bytes, texts: Iterable[str]) -> set[int]:
+        """The ids of the tokens that may close a string whose bytes so far are ``written`` on one of ``texts``:
+        those whose bytes before their first quote are the rest of its plain spelling, and, while ``written``
+        decodes to the start of one of them, every token whose bytes before the quote hold an escape (an escape
+        spelling is not looked up). Every quote token when ``written`` itself holds an escape."""
+        if b"\\" in written:
+            return set(self.ids.tolist())
+        found: set[int] = set()
+        start = _decoded(written)
+        for text in texts:
+            spelled = _spelled(text)
+            if spelled.startswith(written):
+                found.update(self.by_head.get(spelled[len(written):], ()))
+            if start is None or text.startswith(start):
+                found |= self.escaped_heads
         return found
 
 
@@ -65,14 +84,30 @@ def quote_tokens(tokenizer) -> QuoteTokens:
     growth = re.compile(rb"[,{\[]")
     outside = [i for i, piece in enumerate(pieces) if growth.search(piece)]
     inside = [i for i, piece in found if growth.search(piece, piece.index(b'"'))]
-    item_end = re.compile(rb'["\],0]')
+    number_end = re.compile(rb"[\],0]")
     by_bytes: dict[bytes, list[int]] = {}
     for i, piece in enumerate(pieces):
         by_bytes.setdefault(piece, []).append(i)
-    ends = [i for i, piece in enumerate(pieces) if item_end.search(piece)]
-    return QuoteTokens(np.array([i for i, _ in found], np.int64), np.array([p.count(b'"') for _, p in found], np.int64),
+    enclosing: dict[str, list[int]] = {}
+    by_head: dict[bytes, list[int]] = {}
+    for i, piece in found:
+        for text in _enclosed(piece):
+            enclosing.setdefault(text, []).append(i)
+        by_head.setdefault(piece[:piece.index(b'"')], []).append(i)
+    escaped = [i for i, piece in found if b"\\" in piece[:piece.index(b'"')]]
+    ends = [i for i, piece in enumerate(pieces) if number_end.search(piece)]
+    quoted_ends = [i for i in ends if b'"' in pieces[i]]
+    return QuoteTokens(np.array([i for i, _ in found], np.int64), enclosing, by_head, frozenset(escaped),
                        _bits(outside, len(pieces)),
-                       _bits(inside, len(pieces)), np.array(ends, np.int64), tokenizer.token_bytes, by_bytes)
+                       _bits(inside, len(pieces)), np.array(ends, np.int64), np.array(quoted_ends, np.int64),
+                       tokenizer.token_bytes, by_bytes)
+
+
+def _enclosed(piece: bytes) -> set[str]:
+    """The decoded texts between any two quotes of ``piece`` (any pair: an escaped quote may lie between)."""
+    at = [i for i, b in enumerate(piece) if b == QUOTE]
+    texts = (_decoded(piece[a + 1:b]) for n, a in enumerate(at) for b in at[n + 1:])
+    return {text for text in texts if text is not None}
 
 
 def _bits(ids: list[int], vocab_size: int) -> np.ndarray:
@@ -80,6 +115,12 @@ def _bits(ids: list[int], vocab_size: int) -> np.ndarray:
     index = np.asarray(ids, np.int64)
     np.bitwise_or.at(words, index >> 5, np.uint32(1) << (index & 31).astype(np.uint32))
     return words
+
+
+@lru_cache(maxsize=4096)
+def _spelled(text: str) -> bytes:
+    """A string's bytes between its quotes as JSON writes it plainly (escaping only what must be)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1].encode()
 
 
 def _decoded(raw: bytes) -> str | None:
@@ -291,44 +332,38 @@ class KeyTracker:
         lexer, quotes = self.lexer, self.quotes
         if not self.armed or not self.checks:
             return []
-        if lexer.in_unique_array():
-            candidates = self._item_candidates()
-        elif any(frame.keys for frame in lexer.frames):
-            # A token can close a key on a used one if it closes the key being written (one quote: only when a
-            # used key starts like it), or opens and closes one (two quotes), or ends the string it is in first
-            # (three).
-            needed = 1 if self._key_may_repeat() else 3 if lexer.in_string and not lexer.is_key else 2
-            candidates = quotes.with_at_least(needed) if needed > 1 else quotes.ids
-        else:
+        keys = [key for frame in lexer.frames if frame.keys for key in frame.keys]
+        unique = lexer.in_unique_array()
+        if not keys and not unique:
             return []  # no object has a key yet and no unique array is open: nothing can repeat
+        items = [v for frame in lexer.frames if frame.items for v in frame.items if isinstance(v, str)]
+        # A token repeats a key or a string item if it closes the string being written on one, or holds one
+        # between two of its quotes (it opens and closes it); a number item ends at `,` `]`, or starts at 0.
+        found = quotes.enclosing_any(keys + items)
+        if lexer.in_string:
+            found |= self._closing_current()
+        candidates = np.fromiter(found, np.int64, len(found))
+        if unique:  # a token ending a number item (after closing this string, it holds a quote too)
+            ends = quotes.quoted_number_ends if lexer.in_string else quotes.number_ends
+            candidates = np.union1d(candidates, ends)
         allowed = candidates[(row_mask[candidates >> 5] >> (candidates & 31).astype(np.uint32)) & 1 == 1]
         return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]
 
-    def _item_candidates(self) -> np.ndarray:
-        """Inside a unique array every quote token may close a string item (or a key), and a token that fills
-        a string item to its maxLength on a used item (spelled plainly); outside a string, a token that ends a
-        number item (`,` `]`) or starts one at 0 may also repeat one."""
+    def _closing_current(self) -> set[int]:
+        """The tokens that would end the key or unique item being written on a used one: those closing it (their
+        bytes before a quote complete it), and those filling a string item to its maxLength on one."""
         lexer = self.lexer
-        if not lexer.in_string:
-            return self.quotes.quotes_or_item_ends
         top = lexer.frames[-1] if lexer.frames else None
-        if not lexer.is_item or top is None or top.max_length is None:
-            return self.quotes.ids
-        fills = []
-        for item in top.items:
-            spelled = json.dumps(item, ensure_ascii=False)[1:-1].encode() if isinstance(item, str) else b""
-            if len(item) == top.max_length and spelled.startswith(lexer.key) and len(spelled) > len(lexer.key):
-                fills += self.quotes.by_bytes.get(spelled[len(lexer.key):], [])
-        return np.union1d(self.quotes.ids, np.array(fills, np.int64)) if fills else self.quotes.ids
-
-    def _key_may_repeat(self) -> bool:
-        """Inside a key that a used key of its object starts with (as far as its bytes decode): any quote
-        token may close it on that key; otherwise only a token holding several quotes can close a key."""
-        lexer = self.lexer
-        if not (lexer.in_string and lexer.is_key and lexer.frames and lexer.frames[-1].keys):
-            return False
-        prefix = _decoded(bytes(lexer.key))
-        return prefix is None or any(name.startswith(prefix) for name in lexer.frames[-1].keys)
+        if top is None or not (lexer.is_key or lexer.is_item):
+            return set()
+        used = top.keys if lexer.is_key else [v for v in top.items if isinstance(v, str)]
+        found = self.quotes.closing_on(bytes(lexer.key), used)
+        if lexer.is_item and top.max_length is not None:
+            for item in used:
+                spelled = _spelled(item)
+                if len(item) == top.max_length and spelled.startswith(lexer.key) and len(spelled) > len(lexer.key):
+                    found.update(self.quotes.by_bytes.get(spelled[len(lexer.key):], ()))
+        return found
 
     def growth(self) -> np.ndarray | None:
         """Bitmask words of the tokens that would add a member or an item from where the document stands
