@@ -110,6 +110,11 @@ def _enclosed(piece: bytes) -> set[str]:
     return {text for text in texts if text is not None}
 
 
+def _set_bits(words: np.ndarray) -> np.ndarray:
+    """The token ids whose bits are set in a mask row ([ceil(V/32)] uint32)."""
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).astype(np.int64)
+
+
 def _bits(ids: list[int], vocab_size: int) -> np.ndarray:
     words = np.zeros((vocab_size + 31) // 32, np.uint32)
     index = np.asarray(ids, np.int64)
@@ -141,10 +146,18 @@ class _Frame:
     nodes: tuple = ()
     index: int = 0  # an array's items begun before the current one
     max_length: int | None = None  # a unique array's string items can not grow past this many characters
+    values: dict[bytes, str] | None = None  # a unique array of string enum items: spelling -> value
 
     def copy(self) -> _Frame:
         return _Frame(None if self.keys is None else set(self.keys),
-                      None if self.items is None else set(self.items), self.nodes, self.index, self.max_length)
+                      None if self.items is None else set(self.items), self.nodes, self.index, self.max_length,
+                      self.values)
+
+    def open_values(self, written: bytes) -> bool:
+        """Whether a string item whose bytes so far (its opening quote included) are ``written`` can still
+        become a value of the enum the array does not hold yet."""
+        return any(spelled.startswith(written) and value not in self.items
+                   for spelled, value in self.values.items())
 
 
 @dataclass
@@ -190,7 +203,7 @@ class _Lexer:
                 return self.is_key and self._add_key()
             if self.is_key or self.is_item:
                 self.key.append(b)
-            return self.is_item and self._full_repeat()
+            return self.is_item and (self._full_repeat() or self._dead_value())
         if self.number and b not in NUMBER_BYTES:
             repeated = self._add_item(item_value(bytes(self.number)))
             self.number.clear()
@@ -205,6 +218,7 @@ class _Lexer:
             self.is_item = top is not None and top.items is not None
             self.in_string, self.expect_key = True, False
             self.key.clear()
+            return self.is_item and self._dead_value()
         elif b in (OPEN_OBJECT, OPEN_ARRAY):
             self._open(b)
         elif b in CLOSERS:
@@ -216,6 +230,8 @@ class _Lexer:
             self.expect_key = top is not None and top.keys is not None
             if top is not None and top.keys is None and self.schema is not None:
                 self._mine().index += 1
+            # Another item of a unique enum array whose every value is used could only repeat one.
+            return top is not None and top.values is not None and not top.open_values(b'"')
         elif b in NUMBER_BYTES and top is not None and top.items is not None:
             self.number.append(b)
             # 0 and -0 can not grow into another whole number: starting one is a repeat if 0 is there.
@@ -234,8 +250,9 @@ class _Lexer:
                 nodes = self.schema.item(parent.nodes, parent.index)
         unique = b == OPEN_ARRAY and self.schema is not None and self.schema.unique(nodes)
         longest = self.schema.item_max_length(nodes) if unique else None
+        values = self.schema.item_enum(nodes) if unique else None
         self.frames.append(_Frame(set() if b == OPEN_OBJECT else None, set() if unique else None, nodes,
-                                  max_length=longest))
+                                  max_length=longest, values=values))
         self.owned.append(True)
         self.expect_key = b == OPEN_OBJECT
 
@@ -256,6 +273,11 @@ class _Lexer:
             return True
         self._mine().keys.add(name)
         return False
+
+    def _dead_value(self) -> bool:
+        """A string item of a unique enum array that can no longer become a value the array lacks."""
+        top = self.frames[-1]
+        return top.values is not None and not top.open_values(b'"' + bytes(self.key))
 
     def _full_repeat(self) -> bool:
         """A unique array's string item at its maxLength (it can only close now) equal to one the array holds."""
@@ -346,6 +368,10 @@ class KeyTracker:
         if unique:  # a token ending a number item (after closing this string, it holds a quote too)
             ends = quotes.quoted_number_ends if lexer.in_string else quotes.number_ends
             candidates = np.union1d(candidates, ends)
+            top = lexer.frames[-1]
+            if top.values is not None:  # an enum item: any token may commit it to a used value, or start one
+                candidates = quotes.number_ends if not lexer.in_string else _set_bits(row_mask)
+                candidates = np.union1d(candidates, quotes.ids)
         allowed = candidates[(row_mask[candidates >> 5] >> (candidates & 31).astype(np.uint32)) & 1 == 1]
         return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]
 

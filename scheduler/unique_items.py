@@ -7,12 +7,15 @@ equal to one the array already holds (`scheduler.json_keys`, whose JSON lexer fo
 `SchemaNav` which arrays it is writing are unique ones). Equal means equal as JSON Schema compares: strings
 decoded, numbers by value (1 and 1.0 are one number).
 
-Only item spaces that can not run out are lifted this way, so that masking a completion never leaves the
-grammar with nothing valid to write: strings with no `enum`, `const`, `pattern` or `format` (a string can
-always grow by one more character; at its `maxLength` it can not, so the token that would make it a used item
-of that length is the one removed), numbers with no `enum`, `const`, `multipleOf` or upper bound (a number can
-always grow by one more digit; 0 and -0 can not, so they are removed at their first digit). Any other
-`uniqueItems` stays for the backend to refuse, naming it. A JSON-schema response format only: in a tool call
+Only item spaces that can not run out, or whose remaining values are known, are lifted this way, so that
+masking a completion never leaves the grammar with nothing valid to write:
+* an enum of strings: an item that could only become a used value is removed at the token that commits to
+  it, and so is the opening quote of another item once every value is used;
+* strings with no `enum`, `const`, `pattern` or `format`: a string can always grow by one more character (at
+  its `maxLength` it can not, so the token that would make it a used item of that length is removed);
+* numbers with no `enum`, `const`, `multipleOf` or upper bound: a number can always grow by one more digit
+  (0 and -0 can not, so they are removed at their first digit).
+Any other `uniqueItems` stays for the backend to refuse, naming it. A JSON-schema response format only: in a tool call
 the document is a function's arguments, and the functions' schemas are not followed. Should a repeat still be
 the only way on (a used item spelled with escapes up to its maxLength), the request ends with an error rather
 than a repeated item.
@@ -21,6 +24,7 @@ than a repeated item.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -62,11 +66,23 @@ def _resolve(root: dict[str, Any], node: Any) -> Any:
     return None
 
 
+def string_enum(items: Any) -> list[str] | None:
+    """The values of an item schema that is an enum of strings and nothing else that bounds it, else None."""
+    if not isinstance(items, dict) or not isinstance(items.get("enum"), list) or not items["enum"]:
+        return None
+    if items.get("type", "string") != "string" or any(k in items for k in _BOUNDING if k != "enum"):
+        return None
+    values = items["enum"]
+    return values if all(isinstance(v, str) for v in values) else None
+
+
 def liftable(root: dict[str, Any], node: dict[str, Any]) -> bool:
     """Whether the host can enforce this node's `uniqueItems: true` exactly (see the module docstring)."""
     if node.get("uniqueItems") is not True or any(k in node for k in _ARRAY_TUPLES):
         return False
     items = _resolve(root, node.get("items"))
+    if string_enum(items) is not None:
+        return True
     if not isinstance(items, dict) or any(k in items for k in _BOUNDING):
         return False
     kinds = items.get("type")
@@ -143,6 +159,19 @@ class SchemaNav:
     @staticmethod
     def unique(nodes: tuple[dict[str, Any], ...]) -> bool:
         return any(node.get("uniqueItems") is True for node in nodes)
+
+    def item_enum(self, nodes: tuple[dict[str, Any], ...]) -> dict[bytes, str] | None:
+        """For a unique array of string enum items: each value's JSON spelling (quotes included) -> the value
+        (every unique branch's values together); None when some unique branch's items are open."""
+        out: dict[bytes, str] = {}
+        for node in nodes:
+            if node.get("uniqueItems") is not True:
+                continue
+            values = string_enum(_resolve(self.root, node.get("items")))
+            if values is None:
+                return None
+            out.update({json.dumps(v, ensure_ascii=False).encode(): v for v in values})
+        return out or None
 
     def item_max_length(self, nodes: tuple[dict[str, Any], ...]) -> int | None:
         """The smallest `maxLength` of a unique array's string items (None: unbounded)."""

@@ -771,7 +771,8 @@ def test_unique_items_on_short_arrays_booleans_and_small_enums_is_enforced(compi
 
 @pytest.mark.parametrize("items", [{"type": "string"}, {"type": "integer", "minimum": 0},
                                    {"type": ["number", "string"]}, {"$ref": "#/$defs/word"},
-                                   {"type": "string", "minLength": 2, "maxLength": 40}])
+                                   {"type": "string", "minLength": 2, "maxLength": 40},
+                                   {"enum": ["a", "b", "c", "d", "e"]}])
 def test_unique_items_over_open_strings_and_numbers_compiles_with_the_host_enforcing_it(compiler, items):
     schema = {"type": "array", "items": items, "uniqueItems": True, "$defs": {"word": {"type": "string"}}}
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
@@ -781,6 +782,7 @@ def test_unique_items_over_open_strings_and_numbers_compiles_with_the_host_enfor
 @pytest.mark.parametrize("items", [{"type": "string", "pattern": "^[ab]$"}, {"type": "string", "format": "date"},
                                    {"type": "integer", "maximum": 5},
                                    {"enum": [1, 2, 3, 4]}, {"type": "object"}, {"type": ["string", "null"]},
+                                   {"enum": ["a", "b", "c", "d"], "pattern": "^a"},
                                    {"type": "number", "multipleOf": 2}])
 def test_unique_items_over_item_spaces_that_can_run_out_stays_refused(compiler, items):
     """Masking a repeat there could leave no valid token (all of a pattern's strings used), so it is refused,

@@ -401,3 +401,36 @@ def _parses(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+COLORS = {"type": "array", "items": {"enum": ["red", "green", "blue", "cyan", "magenta"]}, "uniqueItems": True,
+          "minItems": 2}
+
+
+def test_a_unique_enum_array_commits_to_no_used_value_and_ends_when_all_are_used(setup):
+    """An enum of more values than the arrangement rewrite takes compiles; a token that could only spell a used
+    value is removed where it commits to it, and once every value is used so is the quote of another item. A
+    random model pushed to write item after item then ends every array validly, never with an error."""
+    engine, tokenizer, compiler = setup
+    everything = np.full((VOCAB + 31) // 32, 0xFFFFFFFF, np.uint32)
+    compiled = compiler.compile(ConstraintSpec.json_schema(COLORS))
+
+    def repeating(document: bytes) -> set[str]:
+        tracker = compiler.matcher(compiled).keys
+        tracker.feed(document)
+        return {tokenizer.decode([t]) for t in tracker.repeating(everything)}
+
+    assert {"re", "red", '"re', "r"} & repeating(b'["red","green",') == {'"re', '"r'} & repeating(b'["red","green",')
+    assert "d" in repeating(b'["red","green","re')  # "re" can only become "red"
+    assert "ue" not in repeating(b'["red","green","bl')
+    assert '"' in repeating(b'["red","green","blue","cyan","magenta",')  # nothing is left to write,
+    assert "," in repeating(b'["red","green","blue","cyan","magenta"')  # so no other item may begin
+    assert "," not in repeating(b'["red","green","blue","cyan"')
+    bias = tuple((tokenizer.encode(text)[0], 8.0) for text in ('","', "red", "re"))
+    reqs = [GenerationRequest(prompt(900 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
+                              max_tokens=40, constraint=compiler.matcher(compiled)) for i in range(8)]
+    for _, text, fin in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs):
+        assert fin.reason is FinishReason.STOP, (text, fin)
+        document = json.loads(text)
+        assert not repeated_items(document), text
+        jsonschema.validate(document, COLORS)
