@@ -203,6 +203,18 @@ def test_a_document_that_would_be_cut_closes_within_max_tokens_and_validates(set
     assert sched.stats.budget_closed == sum(f.budget_closed for _, _, f in closed)
 
 
+def pushed_outputs(setup, compiled, bias, track: bool, seed: int, max_tokens: int) -> list[str]:
+    """Eight sampled outputs of a random model under ``bias``, with the host's repeat tracker or without it."""
+    engine, tokenizer, compiler = setup
+    reqs = []
+    for i in range(8):
+        matcher = compiler.matcher(compiled)
+        matcher.keys = matcher.keys if track else None
+        reqs.append(GenerationRequest(prompt(seed + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
+                                      max_tokens=max_tokens, constraint=matcher))
+    return [text for _, text, _ in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs)]
+
+
 def no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
     keys = [k for k, _ in pairs]
     assert len(keys) == len(set(keys)), f"repeated key in {keys}"
@@ -253,13 +265,7 @@ def test_open_objects_never_repeat_a_key(setup):
     bias = ((close_key, 6.0), (letter, 6.0), (next_key, 6.0), (close_object, -100.0))
 
     def outputs(track: bool) -> list[str]:
-        reqs = []
-        for i in range(8):
-            matcher = compiler.matcher(compiled)
-            matcher.keys = matcher.keys if track else None
-            reqs.append(GenerationRequest(prompt(700 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
-                                          max_tokens=48, constraint=matcher))
-        return [text for _, text, _ in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs)]
+        return pushed_outputs(setup, compiled, bias, track, seed=700, max_tokens=48)
 
     assert sum(repeated_keys(text) for text in outputs(track=False)) >= 2
     for text in outputs(track=True):
@@ -379,13 +385,7 @@ def test_unique_arrays_never_repeat_an_item(setup):
     bias = tuple((tokenizer.encode(text)[0], 7.0) for text in ("a", '","', "7", ",", "]"))
 
     def outputs(track: bool) -> list[str]:
-        reqs = []
-        for i in range(8):
-            matcher = compiler.matcher(compiled)
-            matcher.keys = matcher.keys if track else None
-            reqs.append(GenerationRequest(prompt(800 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
-                                          max_tokens=64, constraint=matcher))
-        return [text for _, text, _ in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs)]
+        return pushed_outputs(setup, compiled, bias, track, seed=800, max_tokens=64)
 
     untracked = [json.loads(text) for text in outputs(track=False) if _parses(text)]
     assert sum(repeated_items(doc) for doc in untracked) >= 2
