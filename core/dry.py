@@ -19,7 +19,6 @@ breakers); an overlap that would split a UTF-8 character of a multi-token breake
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,17 +35,14 @@ MAX_TAIL_TOKENS = 20  # a multi-token breaker's tokens after its first, as llama
 FLOAT_MAX_LOG = 88.7228391  # log of the largest float32, as llama.cpp caps the exponent with it
 
 
-def check_params(multiplier: float, base: float, allowed_length: int, penalty_last_n: int,
-                 breakers: Sequence[str]) -> tuple[str, ...]:
-    """Validate the DRY parameters (ValueError naming the field); returns the breakers as a tuple."""
-    if not math.isfinite(multiplier) or multiplier < 0:
-        raise ValueError(f"dry_multiplier must be a finite number >= 0, got {multiplier!r}")
-    if not math.isfinite(base) or base < 1:
-        raise ValueError(f"dry_base must be a finite number >= 1, got {base!r}")
-    if allowed_length < 0:
-        raise ValueError(f"dry_allowed_length must be >= 0, got {allowed_length!r}")
-    if penalty_last_n < -1:
-        raise ValueError(f"dry_penalty_last_n must be >= -1 (-1: the whole context, 0: off), got {penalty_last_n!r}")
+def check_counts(allowed_length: int, penalty_last_n: int, breakers: Sequence[str]) -> tuple[str, ...]:
+    """Validate DRY's integer parameters and breakers (ValueError naming the field; the multiplier and base are
+    plain real ranges, checked with the other sampling knobs); returns the breakers as a tuple."""
+    if not 0 <= allowed_length < 2**31:
+        raise ValueError(f"dry_allowed_length must be in [0, 2**31), got {allowed_length!r}")
+    if not -1 <= penalty_last_n < 2**31:
+        raise ValueError(f"dry_penalty_last_n must be in [-1, 2**31) (-1: the whole context, 0: off), "
+                         f"got {penalty_last_n!r}")
     if isinstance(breakers, (str, bytes)) or not all(isinstance(b, str) for b in breakers):
         raise ValueError("dry_sequence_breakers must be a list of strings")
     out = tuple(breakers)

@@ -124,8 +124,7 @@ class SamplingParams:
         for name in ("dry_allowed_length", "dry_penalty_last_n"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        breakers = dry.check_params(self.dry_multiplier, self.dry_base, self.dry_allowed_length,
-                                    self.dry_penalty_last_n, self.dry_sequence_breakers)
+        breakers = dry.check_counts(self.dry_allowed_length, self.dry_penalty_last_n, self.dry_sequence_breakers)
         object.__setattr__(self, "dry_sequence_breakers", breakers)
 
     @property

@@ -202,7 +202,7 @@ class Scheduler:
         with self._breaker_lock:
             if self._breaker_tables is None:
                 tok = self.tokenizer
-                self._breaker_tables = BreakerTables(tok.token_bytes, tok.vocab_size, lambda text: tok.encode(text))
+                self._breaker_tables = BreakerTables(tok.token_bytes, tok.vocab_size, tok.encode)
             table = self._breaker_tables.table(sampling.dry_sequence_breakers)
         return RepeatLimit(table, sampling.dry_penalty_last_n, request.prompt_ids)
 

@@ -214,6 +214,7 @@ def test_breaker_table_from_a_real_vocabulary(tokenizer):
     {"dry_multiplier": -1.0}, {"dry_base": 0.9}, {"dry_allowed_length": -1}, {"dry_penalty_last_n": -2},
     {"dry_sequence_breakers": ()}, {"dry_sequence_breakers": ("",)}, {"dry_sequence_breakers": ("x" * 41,)},
     {"dry_sequence_breakers": "\n"}, {"dry_multiplier": float("nan")}, {"dry_allowed_length": 1.5},
+    {"dry_allowed_length": 2**31}, {"dry_penalty_last_n": 2**40}, {"dry_multiplier": "1"},
 ])
 def test_dry_params_are_validated(kwargs: dict):
     with pytest.raises(ValueError, match="dry_"):
