@@ -20,16 +20,19 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from decimal import Decimal
 from functools import lru_cache
 
 import numpy as np
 
-from scheduler.unique_items import SchemaNav, item_value
+from scheduler.item_space import ItemSpace, Value, literal_value, number_value
+from scheduler.unique_items import SchemaNav
 
 QUOTE, BACKSLASH = 0x22, 0x5C
 OPEN_OBJECT, OPEN_ARRAY, CLOSERS, COMMA = 0x7B, 0x5B, (0x7D, 0x5D), 0x2C
-NUMBER_BYTES = frozenset(b"-+.0123456789eE")
+JSON_SPACE = frozenset(b" \t\n\r")
+# What a number or a literal item is spelled with; a token of only these (and of what may end an item) is one
+# that could write such an item.
+SCALAR_BYTES = frozenset(b"-+.0123456789eEtrufalsn")
 
 __all__ = ["KeyTracker", "QuoteTokens", "quote_tokens"]
 
@@ -49,8 +52,10 @@ class QuoteTokens:
     # string those holding `,`, `{` or `[`; inside one those that close it and then hold one of them.
     growth_outside: np.ndarray
     growth_inside: np.ndarray
-    number_ends: np.ndarray  # ids [n] holding `,` `]` or `0` (what may end a number, or start one at 0)
-    quoted_number_ends: np.ndarray  # those of them that also hold a quote
+    # ids [n] that may write or end a number or literal item: those holding `,` or `]`, and those of only
+    # SCALAR_BYTES, JSON whitespace and `}`
+    scalar_tokens: np.ndarray
+    quoted_scalar_ends: np.ndarray  # ids holding a quote and then `,` or `]` (ending a string, then an item)
     token_bytes: Callable[[int], bytes] = field(compare=False)
     by_bytes: dict[bytes, list[int]] = field(default_factory=dict, compare=False)  # every token id by its bytes
 
@@ -84,7 +89,8 @@ def quote_tokens(tokenizer) -> QuoteTokens:
     growth = re.compile(rb"[,{\[]")
     outside = [i for i, piece in enumerate(pieces) if growth.search(piece)]
     inside = [i for i, piece in found if growth.search(piece, piece.index(b'"'))]
-    number_end = re.compile(rb"[\],0]")
+    item_end = re.compile(rb"[\],]")
+    writing = SCALAR_BYTES | JSON_SPACE | {CLOSERS[0]}
     by_bytes: dict[bytes, list[int]] = {}
     for i, piece in enumerate(pieces):
         by_bytes.setdefault(piece, []).append(i)
@@ -95,11 +101,12 @@ def quote_tokens(tokenizer) -> QuoteTokens:
             enclosing.setdefault(text, []).append(i)
         by_head.setdefault(piece[:piece.index(b'"')], []).append(i)
     escaped = [i for i, piece in found if b"\\" in piece[:piece.index(b'"')]]
-    ends = [i for i, piece in enumerate(pieces) if number_end.search(piece)]
-    quoted_ends = [i for i in ends if b'"' in pieces[i]]
+    scalars = [i for i, piece in enumerate(pieces)
+               if piece and (item_end.search(piece) or set(piece) <= writing)]
+    quoted_ends = [i for i, piece in found if item_end.search(piece, piece.index(b'"'))]
     return QuoteTokens(np.array([i for i, _ in found], np.int64), enclosing, by_head, frozenset(escaped),
                        _bits(outside, len(pieces)),
-                       _bits(inside, len(pieces)), np.array(ends, np.int64), np.array(quoted_ends, np.int64),
+                       _bits(inside, len(pieces)), np.array(scalars, np.int64), np.array(quoted_ends, np.int64),
                        tokenizer.token_bytes, by_bytes)
 
 
@@ -139,25 +146,30 @@ def _decoded(raw: bytes) -> str | None:
 @dataclass
 class _Frame:
     """An open container: an object's keys so far (`keys`, None for an array); for an array whose items must
-    be unique (`scheduler.unique_items`), the items so far; the schemas it is under when they are followed."""
+    be unique (`scheduler.unique_items`), the items so far and what its items can be; the schemas it is under
+    when they are followed."""
 
     keys: set[str] | None
-    items: set[str | Decimal] | None = None
+    items: set[Value] | None = None
     nodes: tuple = ()
     index: int = 0  # an array's items begun before the current one
-    max_length: int | None = None  # a unique array's string items can not grow past this many characters
-    values: dict[bytes, str] | None = None  # a unique array of string enum items: spelling -> value
+    space: ItemSpace | None = None
 
     def copy(self) -> _Frame:
         return _Frame(None if self.keys is None else set(self.keys),
-                      None if self.items is None else set(self.items), self.nodes, self.index, self.max_length,
-                      self.values)
+                      None if self.items is None else set(self.items), self.nodes, self.index, self.space)
 
-    def open_values(self, written: bytes) -> bool:
-        """Whether a string item whose bytes so far (its opening quote included) are ``written`` can still
-        become a value of the enum the array does not hold yet."""
-        return any(spelled.startswith(written) and value not in self.items
-                   for spelled, value in self.values.items())
+    @property
+    def max_length(self) -> int | None:
+        """The length a unique array's string items can not grow past (None: unbounded)."""
+        strings = self.space.strings if self.space is not None else None
+        return strings.max_length if strings is not None else None
+
+    @property
+    def enum_strings(self) -> bool:
+        """The array's string items are an enum's values."""
+        strings = self.space.strings if self.space is not None else None
+        return strings is not None and strings.values is not None
 
 
 @dataclass
@@ -175,13 +187,13 @@ class _Lexer:
     is_item: bool = False  # the string is an item of a unique array
     expect_key: bool = False
     key: bytearray = field(default_factory=bytearray)  # a key's or a unique item's bytes so far
-    number: bytearray = field(default_factory=bytearray)  # a unique array's number item so far
+    scalar: bytearray = field(default_factory=bytearray)  # a unique array's number or literal item so far
     last_key: str | None = None
     schema: SchemaNav | None = None
 
     def fork(self) -> _Lexer:
         return _Lexer(list(self.frames), [False] * len(self.frames), self.in_string, self.escape, self.is_key,
-                      self.is_item, self.expect_key, bytearray(self.key), bytearray(self.number), self.last_key,
+                      self.is_item, self.expect_key, bytearray(self.key), bytearray(self.scalar), self.last_key,
                       self.schema)
 
     def repeats_in(self, data: bytes) -> bool:
@@ -204,9 +216,10 @@ class _Lexer:
             if self.is_key or self.is_item:
                 self.key.append(b)
             return self.is_item and (self._full_repeat() or self._dead_value())
-        if self.number and b not in NUMBER_BYTES:
-            repeated = self._add_item(item_value(bytes(self.number)))
-            self.number.clear()
+        if self.scalar and b not in SCALAR_BYTES:
+            spelled = bytes(self.scalar)
+            self.scalar.clear()
+            repeated = self._add_item(literal_value(spelled) or number_value(spelled))
             return self._structural(b) or repeated
         return self._structural(b)
 
@@ -230,12 +243,12 @@ class _Lexer:
             self.expect_key = top is not None and top.keys is not None
             if top is not None and top.keys is None and self.schema is not None:
                 self._mine().index += 1
-            # Another item of a unique enum array whose every value is used could only repeat one.
-            return top is not None and top.values is not None and not top.open_values(b'"')
-        elif b in NUMBER_BYTES and top is not None and top.items is not None:
-            self.number.append(b)
-            # 0 and -0 can not grow into another whole number: starting one is a repeat if 0 is there.
-            return bytes(self.number) in (b"0", b"-0") and Decimal(0) in top.items
+            # Another item of a unique array with no new value left could only repeat one.
+            return top is not None and top.space is not None and top.space.exhausted(top.items)
+        elif b in SCALAR_BYTES and top is not None and top.items is not None:
+            self.scalar.append(b)
+            # A number or literal that can only become used values (0 once 0 is used: it can not grow).
+            return top.space is not None and top.space.scalar_dead(bytes(self.scalar), top.items)
         return False
 
     def _open(self, b: int) -> None:
@@ -249,10 +262,9 @@ class _Lexer:
             else:
                 nodes = self.schema.item(parent.nodes, parent.index)
         unique = b == OPEN_ARRAY and self.schema is not None and self.schema.unique(nodes)
-        longest = self.schema.item_max_length(nodes) if unique else None
-        values = self.schema.item_enum(nodes) if unique else None
+        space = self.schema.item_space(nodes) if unique else None
         self.frames.append(_Frame(set() if b == OPEN_OBJECT else None, set() if unique else None, nodes,
-                                  max_length=longest, values=values))
+                                  space=space))
         self.owned.append(True)
         self.expect_key = b == OPEN_OBJECT
 
@@ -275,9 +287,9 @@ class _Lexer:
         return False
 
     def _dead_value(self) -> bool:
-        """A string item of a unique enum array that can no longer become a value the array lacks."""
+        """A string item of a unique array that can no longer become a value the array lacks."""
         top = self.frames[-1]
-        return top.values is not None and not top.open_values(b'"' + bytes(self.key))
+        return top.space is not None and top.space.string_dead(b'"' + bytes(self.key), top.items)
 
     def _full_repeat(self) -> bool:
         """A unique array's string item at its maxLength (it can only close now) equal to one the array holds."""
@@ -287,7 +299,7 @@ class _Lexer:
         text = _decoded(bytes(self.key))
         return text is not None and len(text) == top.max_length and text in top.items
 
-    def _add_item(self, value: str | Decimal | None) -> bool:
+    def _add_item(self, value: Value | None) -> bool:
         if value is None or not self.frames or self.frames[-1].items is None:
             return False
         if value in self.frames[-1].items:
@@ -360,17 +372,16 @@ class KeyTracker:
             return []  # no object has a key yet and no unique array is open: nothing can repeat
         items = [v for frame in lexer.frames if frame.items for v in frame.items if isinstance(v, str)]
         # A token repeats a key or a string item if it closes the string being written on one, or holds one
-        # between two of its quotes (it opens and closes it); a number item ends at `,` `]`, or starts at 0.
+        # between two of its quotes (it opens and closes it); a number or literal item by any byte of it.
         found = quotes.enclosing_any(keys + items)
         if lexer.in_string:
             found |= self._closing_current()
         candidates = np.fromiter(found, np.int64, len(found))
-        if unique:  # a token ending a number item (after closing this string, it holds a quote too)
-            ends = quotes.quoted_number_ends if lexer.in_string else quotes.number_ends
+        if unique:  # a token writing or ending a number or literal item (after closing this string, with a quote)
+            ends = quotes.quoted_scalar_ends if lexer.in_string else quotes.scalar_tokens
             candidates = np.union1d(candidates, ends)
-            top = lexer.frames[-1]
-            if top.values is not None:  # an enum item: any token may commit it to a used value, or start one
-                candidates = quotes.number_ends if not lexer.in_string else _set_bits(row_mask)
+            if lexer.frames[-1].enum_strings:  # any token may commit an enum item to a used value, or start one
+                candidates = quotes.scalar_tokens if not lexer.in_string else _set_bits(row_mask)
                 candidates = np.union1d(candidates, quotes.ids)
         allowed = candidates[(row_mask[candidates >> 5] >> (candidates & 31).astype(np.uint32)) & 1 == 1]
         return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]

@@ -1,53 +1,38 @@
-"""`uniqueItems` over arrays of strings and numbers, enforced beside the grammar (docs/structured-output.md).
+"""`uniqueItems` over arrays of scalars, enforced beside the grammar (docs/structured-output.md).
 
 No grammar engine here enforces `uniqueItems` beyond small enums (`schema_rewrite` turns those into the enum
-of their arrangements). For an array whose items are plain strings or numbers, the grammar is compiled
-without the keyword and the host masks, beside the grammar's mask, every token that would complete an item
-equal to one the array already holds (`scheduler.json_keys`, whose JSON lexer follows the document and asks
-`SchemaNav` which arrays it is writing are unique ones). Equal means equal as JSON Schema compares: strings
-decoded, numbers by value (1 and 1.0 are one number).
+of their arrangements). For an array whose items are scalars (strings, numbers, booleans, null, enums of them),
+the grammar is compiled without the keyword and the host masks, beside the grammar's mask, every token after
+which an item could only become one the array already holds (`scheduler.json_keys`, whose JSON lexer follows
+the document and asks `SchemaNav` which arrays it is writing are unique ones, and `scheduler.item_space` what
+their items can still become). Equal means equal as JSON Schema compares: strings decoded, numbers by value (1
+and 1.0 are one number), `true` is not 1.
 
-Only item spaces that can not run out, or whose remaining values are known, are lifted this way, so that
-masking a completion never leaves the grammar with nothing valid to write:
-* an enum of strings: an item that could only become a used value is removed at the token that commits to
-  it, and so is the opening quote of another item once every value is used;
-* strings with no `enum`, `const`, `pattern` or `format`: a string can always grow by one more character (at
-  its `maxLength` it can not, so the token that would make it a used item of that length is removed);
-* numbers with no `enum`, `const`, `multipleOf` or upper bound: a number can always grow by one more digit
-  (0 and -0 can not, so they are removed at their first digit).
-Any other `uniqueItems` stays for the backend to refuse, naming it. A JSON-schema response format only: in a tool call
-the document is a function's arguments, and the functions' schemas are not followed. Should a repeat still be
-the only way on (a used item spelled with escapes up to its maxLength), the request ends with an error rather
-than a repeated item.
+The look-ahead is what keeps the grammar from a dead end: a token is removed where the item's remaining values
+are all used (the `5` of an integer up to 5 once 5 is used), not only where it closes the item, and once no new
+item is left the comma of another is removed. Item spaces that can not be followed exactly stay for the backend
+to refuse, naming `uniqueItems`: strings under a `pattern` or `format` (their remaining values are the
+pattern's), composed item schemas, objects and arrays. A JSON-schema response format only: in a tool call the
+document is a function's arguments, and the functions' schemas are not followed. Should a repeat still be the
+only way on (an item spelled with escapes up to its maxLength), the request ends with an error rather than a
+repeated item.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import re
-from decimal import Decimal, InvalidOperation
+from functools import reduce
 from typing import Any
 
 from scheduler.grammar_spec import ConstraintSpec
+from scheduler.item_space import ItemSpace, item_space
 from scheduler.schema_rewrite import rewrite
 from scheduler.schema_walk import iter_subschemas
+from scheduler.strict_schema import wants_strict
 
-SCALAR_TYPES = frozenset({"string", "number", "integer"})
-# Keywords that bound an item space (a string's by length or shape, a number's from above): not lifted.
-_BOUNDING = ("enum", "const", "pattern", "format", "multipleOf", "maximum", "exclusiveMaximum")
 _ARRAY_TUPLES = ("prefixItems", "additionalItems", "contains")
 MAX_REF_DEPTH = 32  # $ref chains followed per lookup (a cycle of refs alone is a schema error)
-
-
-def item_value(raw: str | bytes) -> str | Decimal | None:
-    """A completed item's value for the uniqueness test: a string's decoded text, or a number's value."""
-    if isinstance(raw, str):
-        return raw
-    try:
-        return Decimal(raw.decode("ascii")).normalize()
-    except (InvalidOperation, UnicodeDecodeError):
-        return None
 
 
 def _resolve(root: dict[str, Any], node: Any) -> Any:
@@ -66,31 +51,11 @@ def _resolve(root: dict[str, Any], node: Any) -> Any:
     return None
 
 
-def string_enum(items: Any) -> list[str] | None:
-    """The values of an item schema that is an enum of strings and nothing else that bounds it, else None."""
-    if not isinstance(items, dict) or not isinstance(items.get("enum"), list) or not items["enum"]:
-        return None
-    if items.get("type", "string") != "string" or any(k in items for k in _BOUNDING if k != "enum"):
-        return None
-    values = items["enum"]
-    return values if all(isinstance(v, str) for v in values) else None
-
-
 def liftable(root: dict[str, Any], node: dict[str, Any]) -> bool:
     """Whether the host can enforce this node's `uniqueItems: true` exactly (see the module docstring)."""
     if node.get("uniqueItems") is not True or any(k in node for k in _ARRAY_TUPLES):
         return False
-    items = _resolve(root, node.get("items"))
-    if string_enum(items) is not None:
-        return True
-    if not isinstance(items, dict) or any(k in items for k in _BOUNDING):
-        return False
-    kinds = items.get("type")
-    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
-    if not kinds or not kinds <= SCALAR_TYPES:
-        return False
-    composed = any(k in items for k in ("anyOf", "oneOf", "allOf", "not", "if"))
-    return not composed
+    return item_space(_resolve(root, node.get("items"))) is not None
 
 
 def lift(schema: dict[str, Any]) -> dict[str, Any] | None:
@@ -113,9 +78,10 @@ def unique_nav(spec: ConstraintSpec) -> SchemaNav | None:
     schema = spec.schema
     if not isinstance(schema, dict):
         return None
+    strict = wants_strict(schema)
     rewrite(schema)
     kept = lift(schema)
-    return SchemaNav(kept) if kept is not None else None
+    return SchemaNav(kept, strict) if kept is not None else None
 
 
 class SchemaNav:
@@ -124,8 +90,9 @@ class SchemaNav:
     / `oneOf` flattened (any branch that declares uniqueness makes the array unique: on another branch that
     only removes documents, never admits one)."""
 
-    def __init__(self, root: dict[str, Any]) -> None:
+    def __init__(self, root: dict[str, Any], strict: bool = True) -> None:
         self.root = root
+        self.strict = strict  # numbers are written as `strict_schema` bounds them
 
     def top(self) -> tuple[dict[str, Any], ...]:
         return self._expand([self.root])
@@ -160,27 +127,12 @@ class SchemaNav:
     def unique(nodes: tuple[dict[str, Any], ...]) -> bool:
         return any(node.get("uniqueItems") is True for node in nodes)
 
-    def item_enum(self, nodes: tuple[dict[str, Any], ...]) -> dict[bytes, str] | None:
-        """For a unique array of string enum items: each value's JSON spelling (quotes included) -> the value
-        (every unique branch's values together); None when some unique branch's items are open."""
-        out: dict[bytes, str] = {}
-        for node in nodes:
-            if node.get("uniqueItems") is not True:
-                continue
-            values = string_enum(_resolve(self.root, node.get("items")))
-            if values is None:
-                return None
-            out.update({json.dumps(v, ensure_ascii=False).encode(): v for v in values})
-        return out or None
-
-    def item_max_length(self, nodes: tuple[dict[str, Any], ...]) -> int | None:
-        """The smallest `maxLength` of a unique array's string items (None: unbounded)."""
-        bounds = []
-        for node in nodes:
-            items = _resolve(self.root, node.get("items")) if node.get("uniqueItems") is True else None
-            if isinstance(items, dict) and isinstance(items.get("maxLength"), int | float):
-                bounds.append(int(items["maxLength"]))
-        return min(bounds, default=None)
+    def item_space(self, nodes: tuple[dict[str, Any], ...]) -> ItemSpace | None:
+        """What the items of a unique array under ``nodes`` can be (every unique branch's together)."""
+        spaces = [item_space(_resolve(self.root, node.get("items")), self.strict)
+                  for node in nodes if node.get("uniqueItems") is True]
+        known = [space for space in spaces if space is not None]
+        return reduce(ItemSpace.union, known) if known else None
 
     def _expand(self, nodes: list[Any]) -> tuple[dict[str, Any], ...]:
         out: list[dict[str, Any]] = []

@@ -772,21 +772,24 @@ def test_unique_items_on_short_arrays_booleans_and_small_enums_is_enforced(compi
 @pytest.mark.parametrize("items", [{"type": "string"}, {"type": "integer", "minimum": 0},
                                    {"type": ["number", "string"]}, {"$ref": "#/$defs/word"},
                                    {"type": "string", "minLength": 2, "maxLength": 40},
-                                   {"enum": ["a", "b", "c", "d", "e"]}])
-def test_unique_items_over_open_strings_and_numbers_compiles_with_the_host_enforcing_it(compiler, items):
+                                   {"enum": ["a", "b", "c", "d", "e"]}, {"type": "integer", "maximum": 5},
+                                   {"enum": [1, 2, 3, 4]}, {"type": ["string", "null"]},
+                                   {"enum": ["a", "b", "c", "d"], "pattern": "^a"},
+                                   {"type": "number", "multipleOf": 2}, {"type": "number", "maximum": 1},
+                                   {"type": ["boolean", "null", "integer"], "minimum": 0, "maximum": 3}])
+def test_unique_items_over_scalars_compiles_with_the_host_enforcing_it(compiler, items):
     schema = {"type": "array", "items": items, "uniqueItems": True, "$defs": {"word": {"type": "string"}}}
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
     assert compiled.unique is not None and compiled.unique.unique(compiled.unique.top())
 
 
 @pytest.mark.parametrize("items", [{"type": "string", "pattern": "^[ab]$"}, {"type": "string", "format": "date"},
-                                   {"type": "integer", "maximum": 5},
-                                   {"enum": [1, 2, 3, 4]}, {"type": "object"}, {"type": ["string", "null"]},
-                                   {"enum": ["a", "b", "c", "d"], "pattern": "^a"},
-                                   {"type": "number", "multipleOf": 2}])
-def test_unique_items_over_item_spaces_that_can_run_out_stays_refused(compiler, items):
-    """Masking a repeat there could leave no valid token (all of a pattern's strings used), so it is refused,
-    as in a tool's parameters and on the outlines-core backend."""
+                                   {"type": "object"}, {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                                   {"type": "number", "multipleOf": 0.25, "maximum": 1}])
+def test_unique_items_the_host_can_not_follow_exactly_stays_refused(compiler, items):
+    """A pattern's or a format's strings, composed items, objects: the host can not tell which remaining values
+    are left, so masking a repeat could leave no valid token. Refused, as in a tool's parameters and on the
+    outlines-core backend."""
     with pytest.raises(UnsupportedConstraintError, match="uniqueItems"):
         compiler.compile(ConstraintSpec.json_schema({"type": "array", "items": items, "uniqueItems": True}))
     params = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},

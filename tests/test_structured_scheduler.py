@@ -335,7 +335,9 @@ def repeated_items(document: object) -> bool:
     if isinstance(document, dict):
         return any(repeated_items(v) for v in document.values())
     if isinstance(document, list):
-        seen = [json.dumps(v, sort_keys=True) if not isinstance(v, int | float) else float(v) for v in document]
+        # Numbers by value; true and 1 are different items (json.dumps keeps them apart).
+        seen = [float(v) if isinstance(v, int | float) and not isinstance(v, bool) else json.dumps(v, sort_keys=True)
+                for v in document]
         return len(set(seen)) != len(seen) or any(repeated_items(v) for v in document)
     return False
 
@@ -349,10 +351,10 @@ def test_a_unique_array_cannot_complete_an_item_it_holds(setup):
     compiled = compiler.compile(ConstraintSpec.json_schema(UNIQUE_SCHEMA))
     assert compiled.unique is not None
 
-    def completing(document: bytes) -> set[str]:
+    def completing(document: bytes, mask: np.ndarray = everything) -> set[str]:
         tracker = compiler.matcher(compiled).keys
         tracker.feed(document)
-        return {tokenizer.decode([t]) for t in tracker.repeating(everything)}
+        return {tokenizer.decode([t]) for t in tracker.repeating(mask)}
 
     assert {'"', '",', '"]'} <= completing(b'{"tags":["ab","c\\u0064","ab')
     assert '"' in completing(b'{"tags":["ab","cd","cd')  # "c\u0064" is "cd"
@@ -361,7 +363,8 @@ def test_a_unique_array_cannot_complete_an_item_it_holds(setup):
     assert {",", "]"} <= completing(b'{"tags":["a","b","c"],"ids":[10,2,10')
     assert "," in completing(b'{"tags":["a","b","c"],"ids":[10,2.0,2')  # 2 == 2.0
     assert "0" in completing(b'{"tags":["a","b","c"],"ids":[0,')
-    assert not {piece for piece in completing(b'{"tags":["a","b","c"],"ids":[10,2,1') if '"' not in piece}
+    grown = b'{"tags":["a","b","c"],"ids":[10,2,1'  # 1 may still become 1, 11, 12...: no token the grammar takes
+    assert not {piece for piece in completing(grown, grammar_mask(compiler, compiled, grown)) if '"' not in piece}
     short = compiler.matcher(compiler.compile(ConstraintSpec.json_schema(
         {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True}))).keys
     short.feed(b'["ab","a')  # "ab" could only close: its last character is the repeat
@@ -375,6 +378,15 @@ def test_a_unique_array_cannot_complete_an_item_it_holds(setup):
         {"type": "array", "items": {"type": "string"}}))).keys
     free.feed(b'["ab","ab')
     assert not free.repeating(everything)
+
+
+def grammar_mask(compiler, compiled, document: bytes) -> np.ndarray:
+    """The grammar's own mask ([ceil(V/32)] uint32) after ``document``."""
+    matcher = compiler.matcher(compiled)
+    assert matcher.consume_tokens(compiler.tokenizer.encode(document.decode()))
+    mask = np.zeros((1, (VOCAB + 31) // 32), np.uint32)
+    fill_masks([(matcher, 0)], mask)
+    return mask[0]
 
 
 def test_unique_arrays_never_repeat_an_item(setup):
@@ -434,3 +446,34 @@ def test_a_unique_enum_array_commits_to_no_used_value_and_ends_when_all_are_used
         document = json.loads(text)
         assert not repeated_items(document), text
         jsonschema.validate(document, COLORS)
+
+
+BOUNDED_UNIQUE = [
+    ({"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 12}, "uniqueItems": True,
+      "minItems": 2}, ("1", ",")),
+    ({"type": "array", "items": {"type": ["boolean", "null", "integer"], "minimum": 0, "maximum": 2},
+      "uniqueItems": True, "minItems": 2}, ("true", "null", ",", "0")),
+    ({"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 5}, "uniqueItems": True}, ("5", ",")),
+    ({"type": "array", "items": {"enum": [10, 2.5, "x", False]}, "uniqueItems": True}, ("1", "0", ",")),
+]
+
+
+@pytest.mark.parametrize(("schema", "pushed"), BOUNDED_UNIQUE, ids=["range", "mixed", "bounded-number", "enum"])
+def test_unique_arrays_of_bounded_scalars_neither_repeat_nor_run_into_a_dead_end(setup, schema, pushed):
+    """Items that can run out (a range, booleans and null, a number at its maximum, an enum of mixed values): a
+    random model pushed to write the same values repeats items without the tracker; with it no output repeats
+    one, none ends in an error (the look-ahead removes a value's first digit once every value it could become is
+    used, and the comma once none is left), and every output validates."""
+    engine, tokenizer, compiler = setup
+    compiled = compiler.compile(ConstraintSpec.json_schema(schema))
+    bias = tuple((tokenizer.encode(text)[0], 7.0) for text in pushed)
+    untracked = [json.loads(text) for text in pushed_outputs(setup, compiled, bias, False, seed=1200, max_tokens=40)
+                 if _parses(text)]
+    assert sum(repeated_items(doc) for doc in untracked) >= 2
+    reqs = [GenerationRequest(prompt(1200 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
+                              max_tokens=40, constraint=compiler.matcher(compiled)) for i in range(8)]
+    for _, text, fin in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs):
+        assert fin.reason is FinishReason.STOP, (text, fin)
+        document = json.loads(text)
+        assert not repeated_items(document), text
+        jsonschema.validate(document, schema)
