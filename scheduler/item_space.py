@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation, localcontext
 from fractions import Fraction
+from functools import reduce
 from typing import Any
 
 from scheduler.strict_schema import MAX_INTEGER
@@ -138,14 +139,6 @@ class NumberItems:
                 count, held = self._count(self.bounds, used)
         return held >= count
 
-    def union(self, other: NumberItems) -> NumberItems:
-        """Every value either admits, or more (a repeat it misses ends the request with an error)."""
-        if self == other:
-            return self
-        if self.values is not None and other.values is not None:
-            return NumberItems(values={**self.values, **other.values})
-        return NumberItems(_Interval(None, None))  # the continuum: only a pinned prefix is ever dead
-
     def _count(self, part: _Interval, used: Collection[Value]) -> tuple[float, int]:
         held = sum(1 for u in used if isinstance(u, Decimal) and part.holds(u))
         if part.low is not None and part.high is not None and part.low >= part.high:
@@ -191,14 +184,25 @@ def _magnitudes(text: str, limit: Decimal | None) -> list[_Interval]:
 
 @dataclass(frozen=True)
 class ItemSpace:
-    """The items of one unique array, by kind; a kind with no part is one the item schema does not admit."""
+    """The items of one unique array, by kind, each kind a union of parts (the branches of an `anyOf` item
+    schema, or of several unique schemas at one position); a kind with no part is one the items can not be."""
 
-    strings: StringItems | None = None
-    numbers: NumberItems | None = None
+    strings: tuple[StringItems, ...] = ()
+    numbers: tuple[NumberItems, ...] = ()
     literals: frozenset[bytes] = frozenset()
 
+    @property
+    def max_length(self) -> int | None:
+        """The length no open string item can grow past (None: some can grow without end)."""
+        bounds = [part.max_length for part in self.strings if part.values is None]
+        return max(bounds) if bounds and None not in bounds else None  # type: ignore[type-var]
+
+    @property
+    def enum_strings(self) -> bool:
+        return any(part.values is not None for part in self.strings)
+
     def string_dead(self, written: bytes, used: Collection[Value]) -> bool:
-        return self.strings is not None and self.strings.dead(written, used)
+        return bool(self.strings) and all(part.dead(written, used) for part in self.strings)
 
     def scalar_dead(self, prefix: bytes, used: Collection[Value]) -> bool:
         """A number or literal item whose bytes so far can only become used values. Bytes that reach none are
@@ -206,39 +210,38 @@ class ItemSpace:
         if prefix[:1] in (b"t", b"f", b"n"):
             reached = [lit for lit in self.literals if lit.startswith(prefix)]
             return bool(reached) and all(lit in used for lit in reached)
-        if self.numbers is None:
+        if not self.numbers:
             return False
-        count, held = self.numbers.reach(prefix, used)
+        # Every part's values are used exactly when the counts add up (each part holds at most its count).
+        count, held = map(sum, zip(*(part.reach(prefix, used) for part in self.numbers), strict=True))
         return count <= held and (count > 0 or prefix == b"-")
 
     def exhausted(self, used: Collection[Value]) -> bool:
-        strings = self.strings is None or self.strings.exhausted(used)
-        numbers = self.numbers is None or self.numbers.exhausted(used)
-        return strings and numbers and all(lit in used for lit in self.literals)
+        parts = (*self.strings, *self.numbers)
+        return all(part.exhausted(used) for part in parts) and all(lit in used for lit in self.literals)
 
     def union(self, other: ItemSpace) -> ItemSpace:
-        """The items of an array two unique schemas apply to (branches of an `anyOf`): every value either admits,
-        or more, so no mask removes a new item."""
-        strings = self.strings or other.strings
-        if self.strings is not None and other.strings is not None and self.strings != other.strings:
-            a, b = self.strings, other.strings
-            if a.values is not None and b.values is not None:
-                strings = StringItems(values={**a.values, **b.values})
-            else:
-                both = a.max_length is not None and b.max_length is not None
-                strings = StringItems(max(a.max_length, b.max_length) if both else None)  # type: ignore[type-var]
-        numbers = self.numbers or other.numbers
-        if self.numbers is not None and other.numbers is not None:
-            numbers = self.numbers.union(other.numbers)
-        return ItemSpace(strings, numbers, self.literals | other.literals)
+        """Items that may be of either space."""
+        return ItemSpace(self.strings + other.strings, self.numbers + other.numbers, self.literals | other.literals)
 
 
-def item_space(items: Any, strict: bool = True) -> ItemSpace | None:
-    """The item space of a unique array's (resolved) item schema, or None when it is not one this module can
-    follow exactly: composed schemas, objects or arrays, strings under a `pattern` or `format`, ``multipleOf``
-    that is not a positive number."""
-    if not isinstance(items, dict) or any(k in items for k in ("anyOf", "oneOf", "allOf", "not", "if", "$ref")):
+def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = lambda node: node,
+               depth: int = 0) -> ItemSpace | None:
+    """The item space of a unique array's item schema (``resolve`` follows a `$ref`), or None when it is not one
+    this module can follow exactly: objects or arrays, strings under a `pattern` or `format`, ``multipleOf``
+    that is not a positive whole number on a number, schemas composed other than by `anyOf` / `oneOf` of such
+    items alone (their items are any branch's: the union)."""
+    items = resolve(items)
+    if depth > MAX_BRANCH_DEPTH or not isinstance(items, dict) or any(k in items for k in ("allOf", "not", "if",
+                                                                                             "$ref")):
         return None
+    for key in ("anyOf", "oneOf"):
+        if key in items:
+            branches = items[key]
+            if set(items) - {key} - _ANNOTATIONS or not isinstance(branches, list) or not branches:
+                return None
+            spaces = [item_space(branch, strict, resolve, depth + 1) for branch in branches]
+            return None if None in spaces else reduce(ItemSpace.union, spaces)  # type: ignore[arg-type]
     kinds = items.get("type")
     kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else None
     if "const" in items or "enum" in items:
@@ -248,23 +251,25 @@ def item_space(items: Any, strict: bool = True) -> ItemSpace | None:
         return _enum_space([v for v in values if _admits(items, v)], kinds)
     if not kinds or not kinds <= SCALAR_KINDS or any(k in items for k in ("pattern", "format")):
         return None
-    strings = None
+    strings: tuple[StringItems, ...] = ()
     if "string" in kinds:
         longest = items.get("maxLength")
-        strings = StringItems(int(longest) if isinstance(longest, int | float) else None)
-    numbers = None
+        strings = (StringItems(int(longest) if isinstance(longest, int | float) else None),)
+    numbers: tuple[NumberItems, ...] = ()
     if kinds & {"number", "integer"}:
-        numbers = _number_items(items, integer="number" not in kinds, strict=strict)
-        if numbers is None:
+        number = _number_items(items, integer="number" not in kinds, strict=strict)
+        if number is None:
             return None
+        numbers = (number,)
     literals = frozenset(lit for kind in kinds for lit in LITERALS.get(kind, ()))
     return ItemSpace(strings, numbers, literals)
 
 
+MAX_BRANCH_DEPTH = 8  # nested anyOf / oneOf levels followed (a $ref cycle through them is not)
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
 # Keywords beside an enum whose effect on its values is followed here (any other: not lifted).
 _ENUM_FILTERS = frozenset({"enum", "const", "type", "pattern", "minLength", "maxLength", "minimum", "maximum",
-                           "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "title", "description", "default",
-                           "examples", "$comment"})
+                           "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}) | _ANNOTATIONS
 
 
 def _admits(items: dict[str, Any], value: Any) -> bool:
@@ -302,8 +307,8 @@ def _enum_space(values: list[Any], kinds: set[str] | None) -> ItemSpace | None:
             numbers[spelled] = Decimal(str(value)).normalize()
         else:
             literals.add(spelled)
-    return ItemSpace(StringItems(values=strings) if strings else None,
-                     NumberItems(values=numbers) if numbers else None, frozenset(literals))
+    return ItemSpace((StringItems(values=strings),) if strings else (),
+                     (NumberItems(values=numbers),) if numbers else (), frozenset(literals))
 
 
 def _kind(value: Any) -> str | None:

@@ -162,14 +162,12 @@ class _Frame:
     @property
     def max_length(self) -> int | None:
         """The length a unique array's string items can not grow past (None: unbounded)."""
-        strings = self.space.strings if self.space is not None else None
-        return strings.max_length if strings is not None else None
+        return self.space.max_length if self.space is not None else None
 
     @property
     def enum_strings(self) -> bool:
-        """The array's string items are an enum's values."""
-        strings = self.space.strings if self.space is not None else None
-        return strings is not None and strings.values is not None
+        """Some of the array's string items are an enum's values."""
+        return self.space is not None and self.space.enum_strings
 
 
 @dataclass

@@ -12,10 +12,10 @@ The look-ahead is what keeps the grammar from a dead end: a token is removed whe
 are all used (the `5` of an integer up to 5 once 5 is used), not only where it closes the item, and once no new
 item is left the comma of another is removed. Item spaces that can not be followed exactly stay for the backend
 to refuse, naming `uniqueItems`: strings under a `pattern` or `format` (their remaining values are the
-pattern's), composed item schemas, objects and arrays. A JSON-schema response format only: in a tool call the
-document is a function's arguments, and the functions' schemas are not followed. Should a repeat still be the
-only way on (an item spelled with escapes up to its maxLength), the request ends with an error rather than a
-repeated item.
+pattern's), items composed by `allOf`, `not` or `if`, objects and arrays. A JSON-schema response format
+only: in a tool call the document is a function's arguments, and the functions' schemas are not followed.
+Should a repeat still be the only way on (an item spelled with escapes up to its maxLength), the request ends
+with an error rather than a repeated item.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def liftable(root: dict[str, Any], node: dict[str, Any]) -> bool:
     """Whether the host can enforce this node's `uniqueItems: true` exactly (see the module docstring)."""
     if node.get("uniqueItems") is not True or any(k in node for k in _ARRAY_TUPLES):
         return False
-    return item_space(_resolve(root, node.get("items"))) is not None
+    return item_space(node.get("items"), resolve=lambda sub: _resolve(root, sub)) is not None
 
 
 def lift(schema: dict[str, Any]) -> dict[str, Any] | None:
@@ -129,7 +129,7 @@ class SchemaNav:
 
     def item_space(self, nodes: tuple[dict[str, Any], ...]) -> ItemSpace | None:
         """What the items of a unique array under ``nodes`` can be (every unique branch's together)."""
-        spaces = [item_space(_resolve(self.root, node.get("items")), self.strict)
+        spaces = [item_space(node.get("items"), self.strict, lambda sub: _resolve(self.root, sub))
                   for node in nodes if node.get("uniqueItems") is True]
         known = [space for space in spaces if space is not None]
         return reduce(ItemSpace.union, known) if known else None

@@ -776,7 +776,8 @@ def test_unique_items_on_short_arrays_booleans_and_small_enums_is_enforced(compi
                                    {"enum": [1, 2, 3, 4]}, {"type": ["string", "null"]},
                                    {"enum": ["a", "b", "c", "d"], "pattern": "^a"},
                                    {"type": "number", "multipleOf": 2}, {"type": "number", "maximum": 1},
-                                   {"type": ["boolean", "null", "integer"], "minimum": 0, "maximum": 3}])
+                                   {"type": ["boolean", "null", "integer"], "minimum": 0, "maximum": 3},
+                                   {"oneOf": [{"type": "string", "minLength": 1}, {"type": "null"}]}])
 def test_unique_items_over_scalars_compiles_with_the_host_enforcing_it(compiler, items):
     schema = {"type": "array", "items": items, "uniqueItems": True, "$defs": {"word": {"type": "string"}}}
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
@@ -784,7 +785,7 @@ def test_unique_items_over_scalars_compiles_with_the_host_enforcing_it(compiler,
 
 
 @pytest.mark.parametrize("items", [{"type": "string", "pattern": "^[ab]$"}, {"type": "string", "format": "date"},
-                                   {"type": "object"}, {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                                   {"type": "object"}, {"anyOf": [{"type": "integer"}, {"type": "object"}]},
                                    {"type": "number", "multipleOf": 0.25, "maximum": 1}])
 def test_unique_items_the_host_can_not_follow_exactly_stays_refused(compiler, items):
     """A pattern's or a format's strings, composed items, objects: the host can not tell which remaining values

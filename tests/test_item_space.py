@@ -26,6 +26,8 @@ ITEM_SCHEMAS = [
     {"type": ["integer", "boolean", "null"], "minimum": 0, "maximum": 3},
     {"enum": [1, 2.5, 10, -1, True, None]},
     {"enum": [3, 4, 5, 13, 20], "maximum": 13},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"type": "integer", "minimum": 3, "maximum": 12}]},
+    {"anyOf": [{"type": "integer", "minimum": -5, "maximum": -1}, {"type": "null"}, {"enum": [7, 70]}]},
 ]
 
 
@@ -87,9 +89,21 @@ def test_unbounded_numbers_reach_without_end_except_where_they_can_not_grow():
 
 
 @pytest.mark.parametrize("items", [{"type": "string", "pattern": "^[ab]$"}, {"type": "string", "format": "date"},
-                                   {"type": "object"}, {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                                   {"type": "object"}, {"anyOf": [{"type": "integer"}, {"type": "object"}]},
+                                   {"anyOf": [{"type": "integer"}], "minimum": 3}, {"allOf": [{"type": "integer"}]},
                                    {"enum": [[1], [2]]}, {"type": "integer", "multipleOf": -1},
                                    {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 1},
                                    {"enum": ["a", "b"], "format": "email"}])
 def test_item_spaces_not_followed_exactly_are_none(items):
     assert item_space(items) is None
+
+
+def test_a_union_of_item_schemas_follows_every_branch():
+    """`oneOf` [a non-empty string, null]: a string item never runs out and null is one value; a `$ref` cycle
+    through branches is not followed."""
+    space = item_space({"oneOf": [{"type": "string", "minLength": 1, "maxLength": 3}, {"type": "null"}]})
+    assert space is not None and space.max_length == 3
+    assert space.scalar_dead(b"n", {b"null"}) and not space.scalar_dead(b"n", {"x"})
+    assert not space.string_dead(b'"ab', {"ab"}) and not space.exhausted({"ab", b"null"})
+    defs = {"loop": {"anyOf": [{"$ref": "#/loop"}, {"type": "null"}]}}
+    assert item_space({"$ref": "#/loop"}, resolve=lambda n: defs["loop"] if n == {"$ref": "#/loop"} else n) is None

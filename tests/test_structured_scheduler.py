@@ -455,15 +455,18 @@ BOUNDED_UNIQUE = [
       "uniqueItems": True, "minItems": 2}, ("true", "null", ",", "0")),
     ({"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 5}, "uniqueItems": True}, ("5", ",")),
     ({"type": "array", "items": {"enum": [10, 2.5, "x", False]}, "uniqueItems": True}, ("1", "0", ",")),
+    ({"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 3}, {"type": "null"}]},
+      "uniqueItems": True}, ("1", "null", ",")),
 ]
 
 
-@pytest.mark.parametrize(("schema", "pushed"), BOUNDED_UNIQUE, ids=["range", "mixed", "bounded-number", "enum"])
+@pytest.mark.parametrize(("schema", "pushed"), BOUNDED_UNIQUE,
+                         ids=["range", "mixed", "bounded-number", "enum", "any-of"])
 def test_unique_arrays_of_bounded_scalars_neither_repeat_nor_run_into_a_dead_end(setup, schema, pushed):
-    """Items that can run out (a range, booleans and null, a number at its maximum, an enum of mixed values): a
-    random model pushed to write the same values repeats items without the tracker; with it no output repeats
-    one, none ends in an error (the look-ahead removes a value's first digit once every value it could become is
-    used, and the comma once none is left), and every output validates."""
+    """Items that can run out (a range, booleans and null, a number at its maximum, an enum of mixed values, a
+    union of a range and null): a random model pushed to write the same values repeats items without the
+    tracker; with it no output repeats one, none ends in an error (the look-ahead removes a value's first digit
+    once every value it could become is used, and the comma once none is left), and every output validates."""
     engine, tokenizer, compiler = setup
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
     bias = tuple((tokenizer.encode(text)[0], 7.0) for text in pushed)
