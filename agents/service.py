@@ -718,11 +718,14 @@ class ChatService:
             stop=tuple(stop),
             ignore_eos=p.ignore_eos,
             close_within_budget=p.close_within_budget,
-            session=f"{agent.name}:{p.session_id}" if p.session_id else None,
-            agent=agent.name,
+            # The scheduler knows groups, not agents: an agent is a fair-share group and a cache scope (with
+            # the client's salt); a session is an affinity key within its agent and the dashboard's label.
+            affinity=f"{agent.name}:{p.session_id}" if p.session_id else None,
+            group=agent.name,
             priority=agent.priority,
+            cache_scope=(agent.name, p.cache_salt),
+            label=p.session_id,
             boundaries=rendered.boundaries,
-            cache_salt=p.cache_salt,
             want_logprobs=p.logprobs,
             constraint=constraint,
         )

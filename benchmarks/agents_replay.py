@@ -23,8 +23,8 @@ prompt of turn t is plain token concatenation with chat-like separators (no chat
 
 SYSTEM is padded/truncated so that the whole first line is exactly --system-tokens; USER_k is exactly
 --user-tokens. Greedy decoding (temperature 0) with ignore_eos, so every request generates exactly --max-tokens
-and both modes do the same work. Requests carry session=<agent>/<session>, agent=<agent> and
-boundaries=(len(system),).
+and both modes do the same work. Requests carry affinity=<agent>/<session>, the agent as group and
+cache scope (as agents.service sets them) and boundaries=(len(system),).
 
 Each mode is a fresh Scheduler over the same Engine (compiled once by warmup(), then an untimed warm pass
 through a throwaway scheduler): a new scheduler starts with an empty slot table and an empty host tier and
@@ -245,7 +245,8 @@ def session_worker(sched: Any, spec: SessionSpec, seps: dict[str, list[int]], ar
         out.append(record)
         try:
             request = GenerationRequest(prompt_ids=tuple(prompt), sampling=greedy, max_tokens=args.max_tokens,
-                                        ignore_eos=True, session=spec.session, agent=spec.agent,
+                                        ignore_eos=True, affinity=spec.session, group=spec.agent,
+                                        cache_scope=spec.agent,
                                         boundaries=(len(spec.system),))
             record.submitted = time.perf_counter()
             handle = sched.submit(request)

@@ -93,7 +93,7 @@ def run_wave(runtime, args: argparse.Namespace, seed: int) -> None:
     handles = [runtime.scheduler.submit(GenerationRequest(
         prompt_ids=tuple(int(x) for x in rng.integers(1000, 100_000, size=32)),
         sampling=SamplingParams(temperature=1.0, seed=seed * 100 + i), max_tokens=args.max_tokens,
-        ignore_eos=True, agent=f"bench-{i % 3}")) for i in range(args.streams)]
+        ignore_eos=True, group=f"bench-{i % 3}")) for i in range(args.streams)]
     for handle in handles:
         handle.result(timeout=600)
 

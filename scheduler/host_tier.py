@@ -9,8 +9,8 @@ follows it, and a lookup walks the prompt edge by edge (one comparison per branc
 
 Memory is bounded by a byte budget; least-recently-used leaves go first (a node with children holds KV that
 its descendants need). "Used" means stored or fetched; `match` is a pure query, so probing keeps nothing
-alive. Cache scopes (an agent, and a client's cache salt) have separate trees: a prompt never matches KV
-stored under another scope.
+alive. Cache scopes (opaque; agents/ makes one per agent and client cache salt) have separate trees: a
+prompt never matches KV stored under another scope.
 
 All methods take one lock: the engine thread stores and fetches, the metrics endpoint reads `stats()`.
 """

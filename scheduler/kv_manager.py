@@ -60,7 +60,9 @@ class KVCacheManager:
         target = self._choose_slot(seq)
         self._keep_on_host(target, seq, ops)
         target.tokens = target.tokens[:self._shared(target, seq)]
-        target.scope, target.session, target.sequence = seq.scope, seq.request.session, seq
+        target.scope, target.affinity = seq.scope, seq.request.affinity
+        target.group, target.label = seq.group, seq.request.label
+        target.sequence = seq
         target.last_used = time.perf_counter()
         seq.slot = target.index
         seq.state = SeqState.PREFILLING
@@ -83,10 +85,10 @@ class KVCacheManager:
 
     def _choose_slot(self, seq: Sequence) -> Slot:
         free = [s for s in self.slots if not s.busy]
-        session = seq.request.session
-        if session is not None:
+        affinity = seq.request.affinity
+        if affinity is not None:
             for slot in free:
-                if slot.session == session and slot.scope == seq.scope:
+                if slot.affinity == affinity and slot.scope == seq.scope:
                     return slot
         if self.config.prefix_caching:
             lossless = [s for s in free if s.held and self._shared(s, seq) == s.held]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -42,23 +43,20 @@ class GenerationRequest:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    session: str | None = None  # drives slot affinity; None: no affinity
-    agent: str = "default"
-    priority: int = 1  # weight in the fair share across agents
+    # What the scheduler groups requests by, all opaque to it (agents/ fills them; docs/architecture.md):
+    affinity: str | None = None  # requests with one key prefer the slot the last one left (None: no affinity)
+    group: str = "default"  # the fair share is across groups
+    priority: int = 1  # the group's weight in the fair share
+    cache_scope: Hashable = None  # cached KV is reused only between requests of equal scope
+    label: str | None = None  # what the dashboard shows for the request beside its group
     # Prompt positions where a message ends (the system prompt, each turn): prefill chunks end there, so a later
     # request resuming at one computes the rest in the very chunks a cold run uses.
     boundaries: tuple[int, ...] = ()
-    cache_salt: str | None = None  # requests share cached KV only with the same agent and the same salt
     seed: int | None = None  # None: drawn at admission (also the sampling seed unless sampling.seed is set)
     want_logprobs: bool = False  # the sampled token's logprob (top alternatives: sampling.logprobs)
     constraint: Any = None  # structured-output state (per slot); None: unconstrained
     # A constrained output near max_tokens closes along its grammar rather than being cut (budget_close).
     close_within_budget: bool = True
-
-    @property
-    def cache_scope(self) -> tuple[str, str | None]:
-        """Cached KV is reused only within one scope: one agent and one cache salt."""
-        return self.agent, self.cache_salt
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -3,7 +3,7 @@
 One thread owns the engine. Each iteration takes new submissions, drops cancelled requests, and then runs
 the algorithm in three visible parts:
 
-- plan (`_schedule`): waiting requests are admitted into free slots, fair across agents, with their cached
+- plan (`_schedule`): waiting requests are admitted into free slots, fair across request groups, with their cached
   prefixes (`KVCacheManager`: own slot, another slot, the host tier, or a wait for an in-flight prefill);
   at most `prefill_budget` tokens of prefill are planned (so a long prompt delays running streams by one
   chunk at most); then one batched decode step, or a speculative verify step, for the decoding streams;
@@ -124,7 +124,7 @@ class Scheduler:
         self.iteration = 0
         self._inbox: queue.Queue[Sequence] = queue.Queue()
         self._waiting: dict[str, deque[Sequence]] = {}
-        self._pass: dict[str, float] = {}  # stride scheduling across agents
+        self._pass: dict[str, float] = {}  # stride scheduling across groups
         self._prefilling: deque[Sequence] = deque()
         self._outbox: dict[RequestHandle, list[Event]] = {}
         self._lock = threading.Lock()
@@ -285,12 +285,12 @@ class Scheduler:
                 return
 
     def _inbox_to_waiting(self, seq: Sequence) -> None:
-        agent = seq.agent
-        if agent not in self._waiting or not self._waiting[agent]:
-            # A newly active agent joins at the current minimum pass, not at zero (no banked credit).
-            active = [self._pass[a] for a, q in self._waiting.items() if q]
-            self._pass[agent] = max(self._pass.get(agent, 0.0), min(active, default=0.0))
-        self._waiting.setdefault(agent, deque()).append(seq)
+        group = seq.group
+        if group not in self._waiting or not self._waiting[group]:
+            # A newly active group joins at the current minimum pass, not at zero (no banked credit).
+            active = [self._pass[g] for g, q in self._waiting.items() if q]
+            self._pass[group] = max(self._pass.get(group, 0.0), min(active, default=0.0))
+        self._waiting.setdefault(group, deque()).append(seq)
 
     def _reap_cancelled(self) -> None:
         for q in self._waiting.values():
@@ -324,13 +324,13 @@ class Scheduler:
         return plan
 
     def _pick_next(self) -> Sequence | None:
-        """Stride scheduling: the agent with the smallest pass goes next; its pass grows by 1/priority."""
-        candidates = [a for a, q in self._waiting.items() if q]
+        """Stride scheduling: the group with the smallest pass goes next; its pass grows by 1/priority."""
+        candidates = [g for g, q in self._waiting.items() if q]
         if not candidates:
             return None
-        agent = min(candidates, key=lambda a: (self._pass[a], a))
-        seq = self._waiting[agent].popleft()
-        self._pass[agent] += 1.0 / seq.request.priority
+        group = min(candidates, key=lambda g: (self._pass[g], g))
+        seq = self._waiting[group].popleft()
+        self._pass[group] += 1.0 / seq.request.priority
         with self._lock:
             self._waiting_count -= 1
         return seq

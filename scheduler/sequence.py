@@ -67,8 +67,8 @@ class Sequence:
         return self.request.prompt_ids
 
     @property
-    def agent(self) -> str:
-        return self.request.agent
+    def group(self) -> str:
+        return self.request.group
 
     @property
     def scope(self) -> tuple[str, str | None]:

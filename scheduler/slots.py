@@ -1,5 +1,5 @@
-"""A KV slot as the scheduler sees it: the tokens whose KV it holds, the scope and session they belong to,
-and the sequence running in it."""
+"""A KV slot as the scheduler sees it: the tokens whose KV it holds, the cache scope and affinity key they
+belong to, and the sequence running in it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)  # exactly the positions whose KV the slot holds
     scope: Hashable = None  # the cache scope of those tokens (GenerationRequest.cache_scope)
-    session: str | None = None  # the session whose conversation the slot holds (affinity)
+    affinity: str | None = None  # the affinity key of the request whose conversation the slot holds
+    group: str | None = None  # that request's group and label (what the dashboard shows)
+    label: str | None = None
     sequence: Sequence | None = None  # the running sequence, if busy
     last_used: float = 0.0
 

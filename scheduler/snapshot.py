@@ -2,7 +2,7 @@
 
 The engine thread publishes an immutable `SchedulerSnapshot` at the end of an iteration, at most every
 `SNAPSHOT_INTERVAL_S`, and once more when the loop goes idle after a change (so a finished request shows
-its slot idle within one idle poll). Building one reads a few attributes per slot and per agent queue, the
+its slot idle within one idle poll). Building one reads a few attributes per slot and per group queue, the
 host tier's counters and the scheduler's: no device reads, no copies of token lists. Readers on any thread
 read `Scheduler.snapshot` (one reference, replaced whole: atomic in CPython) and never lock the engine.
 """
@@ -31,12 +31,12 @@ class SlotView:
     """One slot. ``state``: idle, prefilling (``prefill_done`` of ``prompt_tokens`` positions hold KV, of which
     ``cached_tokens`` came from a cache and ``computed_tokens`` were prefilled), waiting (for another request's
     in-flight prefill of its prefix), decoding, or verifying (a speculative verify step). An idle slot shows
-    the agent and session whose KV it still holds (reusable by their next turn)."""
+    the group and label of the request whose KV it still holds (reusable by the next with its affinity)."""
 
     index: int
     state: str
-    agent: str | None
-    session: str | None
+    group: str | None  # GenerationRequest.group
+    label: str | None  # GenerationRequest.label
     held: int  # positions whose KV the slot holds
     request: int | None = None  # the running sequence's id (scheduler-local)
     prompt_tokens: int = 0
@@ -54,7 +54,7 @@ class SchedulerSnapshot:
     taken_at: float  # time.time()
     iteration: int
     slots: tuple[SlotView, ...]
-    waiting: dict[str, int]  # agent -> requests waiting for a slot (agents with none left out)
+    waiting: dict[str, int]  # group -> requests waiting for a slot (groups with none left out)
     counters: dict[str, int]  # Scheduler.counters()
     host: dict[str, int]  # HostTier.stats(): bytes, nodes, hits, ...
     decode_step_s: float | None  # the decode step's smoothed wall time (None before one ran)
@@ -63,14 +63,6 @@ class SchedulerSnapshot:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _session(session: str | None, agent: str | None) -> str | None:
-    """The client's session id: the scheduler's session key is ``agent:session``."""
-    if session is None:
-        return None
-    prefix = f"{agent}:" if agent is not None else ""
-    return session[len(prefix):] if prefix and session.startswith(prefix) else session
 
 
 def take_snapshot(sched: Scheduler, plan: StepPlan | None, history: tuple = ()) -> SchedulerSnapshot:
@@ -85,10 +77,8 @@ def take_snapshot(sched: Scheduler, plan: StepPlan | None, history: tuple = ()) 
     for slot in sched.slots:
         seq = slot.sequence
         if seq is None:
-            agent = slot.scope[0] if isinstance(slot.scope, tuple) and slot.scope else None
-            views.append(SlotView(slot.index, "idle", agent, _session(slot.session, agent), len(slot.tokens)))
+            views.append(SlotView(slot.index, "idle", slot.group, slot.label, len(slot.tokens)))
             continue
-        agent = seq.request.agent
         n = len(seq.generated)
         if seq.state is SeqState.PREFILLING:
             state = "waiting" if seq.awaiting is not None else "prefilling"
@@ -96,11 +86,11 @@ def take_snapshot(sched: Scheduler, plan: StepPlan | None, history: tuple = ()) 
             state = "verifying" if seq.id in verifying else "decoding"
         rate = (n - 1) / max(now - seq.first_token_at, 1e-9) if seq.first_token_at is not None and n > 1 else 0.0
         views.append(SlotView(
-            slot.index, state, agent, _session(seq.request.session, agent), len(slot.tokens), request=seq.id,
+            slot.index, state, seq.group, seq.request.label, len(slot.tokens), request=seq.id,
             prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
             computed_tokens=max(0, seq.cursor - seq.cached_tokens), prefill_done=seq.cursor, generated=n,
             max_tokens=seq.max_tokens, tokens_per_s=round(rate, 2), running_s=round(now - seq.arrival, 3)))
-    waiting = {agent: len(q) for agent, q in sched._waiting.items() if q}
+    waiting = {group: len(q) for group, q in sched._waiting.items() if q}
     steps = sched._step_seconds
     return SchedulerSnapshot(
         taken_at=time.time(), iteration=sched.iteration, slots=tuple(views), waiting=waiting,

@@ -62,6 +62,8 @@ def _snapshot_data(snap: Any) -> dict[str, Any]:
     seen, data = _converted
     if seen is not snap:
         data = snap.as_dict()
+        # The scheduler's request group is the agent and its label the client's session (agents.service).
+        data["slots"] = [{"agent": s.pop("group"), "session": s.pop("label"), **s} for s in data["slots"]]
         _converted[:] = [snap, data]
     return data
 

@@ -41,8 +41,8 @@ def prose(n: int, seed: int) -> str:
 
 
 def _seq(seq_id: int, agent: str, session: str | None, state: SeqState, slot: int) -> Sequence:
-    request = GenerationRequest(prompt_ids=tuple(range(1, 41)), agent=agent, max_tokens=10,
-                                session=f"{agent}:{session}" if session else None)
+    request = GenerationRequest(prompt_ids=tuple(range(1, 41)), group=agent, max_tokens=10, cache_scope=(agent, None),
+                                affinity=f"{agent}:{session}" if session else None, label=session)
     seq = Sequence(id=seq_id, request=request, handle=RequestHandle(request), detokenizer=None, stop_matcher=None,
                    max_tokens=10, seed=0, state=state, slot=slot)
     return seq
@@ -56,10 +56,10 @@ def test_snapshot_states_agents_sessions_and_progress():
     decoding.first_token_at = time.perf_counter() - 1.0
     verifying = _seq(3, "beta", "s-3", SeqState.DECODING, 2)
     verifying.generated = [9]
-    slots = [Slot(0, list(range(24)), ("alpha", None), "alpha:s-1", prefilling),
-             Slot(1, list(range(42)), ("beta", None), None, decoding),
-             Slot(2, list(range(41)), ("beta", None), "beta:s-3", verifying),
-             Slot(3, list(range(7)), ("gamma", None), "gamma:old", None)]
+    slots = [Slot(0, list(range(24)), ("alpha", None), "alpha:s-1", sequence=prefilling),
+             Slot(1, list(range(42)), ("beta", None), None, sequence=decoding),
+             Slot(2, list(range(41)), ("beta", None), "beta:s-3", sequence=verifying),
+             Slot(3, list(range(7)), ("gamma", None), "gamma:old", group="gamma", label="old")]
     host = SimpleNamespace(stats=lambda: {"hits": 2, "evictions": 0, "stored_positions": 9, "bytes_used": 1024,
                                           "nodes": 1, "budget_bytes": 4096})
     waiting = {"alpha": [object(), object()], "beta": []}
@@ -69,13 +69,13 @@ def test_snapshot_states_agents_sessions_and_progress():
     plan = StepPlan(verify=StepRow(verifying, [9, 1, 2], 41))
     snap = take_snapshot(sched, plan)
     views = {v.index: v for v in snap.slots}
-    assert (views[0].state, views[0].agent, views[0].session) == ("prefilling", "alpha", "s-1")
+    assert (views[0].state, views[0].group, views[0].label) == ("prefilling", "alpha", "s-1")
     assert (views[0].prompt_tokens, views[0].cached_tokens, views[0].computed_tokens, views[0].prefill_done) == \
         (40, 16, 8, 24)
-    assert (views[1].state, views[1].agent, views[1].session, views[1].held) == ("decoding", "beta", None, 42)
+    assert (views[1].state, views[1].group, views[1].label, views[1].held) == ("decoding", "beta", None, 42)
     assert 1.5 < views[1].tokens_per_s < 2.5  # 2 tokens after the first, in about a second
-    assert (views[2].state, views[2].session) == ("verifying", "s-3")
-    assert (views[3].state, views[3].agent, views[3].session, views[3].held) == ("idle", "gamma", "old", 7)
+    assert (views[2].state, views[2].label) == ("verifying", "s-3")
+    assert (views[3].state, views[3].group, views[3].label, views[3].held) == ("idle", "gamma", "old", 7)
     assert snap.waiting == {"alpha": 2} and snap.host["bytes_used"] == 1024 and snap.decode_step_s == 0.01
     assert snap.counters == {"prompt_tokens": 80, "cached_tokens": 16, "host_restores": 1}
     doc = snap.as_dict()

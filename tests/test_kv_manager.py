@@ -18,7 +18,7 @@ SYSTEM = tuple(range(1000, 1040))  # a 40-token system prompt
 
 
 def seq(prompt, n=0, agent="a", session=None, salt=None) -> Sequence:
-    request = GenerationRequest(prompt_ids=tuple(prompt), agent=agent, session=session, cache_salt=salt)
+    request = GenerationRequest(prompt_ids=tuple(prompt), group=agent, affinity=session, cache_scope=(agent, salt))
     return Sequence(id=n, request=request, handle=None, detokenizer=None, stop_matcher=None, max_tokens=8, seed=0)
 
 
@@ -28,7 +28,7 @@ def manager(slots=3, **config) -> KVCacheManager:
 
 def hold(kv: KVCacheManager, index: int, tokens, agent="a", session=None, last_used=0.0) -> None:
     slot = kv.slots[index]
-    slot.tokens, slot.scope, slot.session, slot.last_used = list(tokens), (agent, None), session, last_used
+    slot.tokens, slot.scope, slot.affinity, slot.last_used = list(tokens), (agent, None), session, last_used
 
 
 def kv_run(tokens, start=0) -> SlotSnapshot:
@@ -189,11 +189,11 @@ def test_a_scheduler_plan_computes_a_shared_new_system_prompt_once():
                              compiled_for=lambda kind, positions: True)
     sched = Scheduler(engine, tokenizer=SimpleNamespace(detokenizer=lambda skip_special: None),
                       config=SchedulerConfig(prefill_budget=16), stop_ids=frozenset())
-    handles = [sched.submit(GenerationRequest(prompt_ids=SYSTEM + (i,), session=f"s{i}")) for i in range(4)]
+    handles = [sched.submit(GenerationRequest(prompt_ids=SYSTEM + (i,), affinity=f"s{i}")) for i in range(4)]
     sched._drain_inbox()
     plan = sched._schedule()
     first = handles[0]
-    assert {chunk.seq.request.session for chunk in plan.chunks} == {"s0"} and not plan.rows
+    assert {chunk.seq.request.affinity for chunk in plan.chunks} == {"s0"} and not plan.rows
     waiting = [s for s in sched._prefilling if s.awaiting is not None]
     assert len(waiting) == 3 and all(s.awaited == len(SYSTEM) for s in waiting)
     assert plan.cache_ops == []

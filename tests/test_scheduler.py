@@ -31,11 +31,11 @@ def engine(compile_cache):
 def test_second_turn_prefills_only_new_tokens_in_the_same_slot(engine, tokenizer):
     sched = make(engine, tokenizer)
     p1 = ids(1, 3 * WINDOW + 5)
-    g1, _, fin1 = run_all(sched, [request(p1, session="s1")])[0]
+    g1, _, fin1 = run_all(sched, [request(p1, affinity="s1")])[0]
     assert fin1.usage.cached_tokens == 0
     p2 = p1 + tuple(g1) + ids(2, 7)
     before = sched.stats.prefill_tokens
-    g2, _, fin2 = run_all(sched, [request(p2, session="s1")])[0]
+    g2, _, fin2 = run_all(sched, [request(p2, affinity="s1")])[0]
     assert fin2.usage.cached_tokens == len(p1) + len(g1) - 1  # the last sampled token was never fed
     assert sched.stats.prefill_tokens - before == 7 + 1
     assert sched.kv.stats.slot_reuses == 1
@@ -47,8 +47,8 @@ def test_full_hit_recomputes_only_the_last_prompt_token(engine, tokenizer):
     the host snapshot hinted at the prompt's end."""
     sched = make(engine, tokenizer)
     p = ids(3, 2 * WINDOW + 3)
-    first = run_all(sched, [request(p, session="a", boundaries=(len(p),))])[0]
-    again = run_all(sched, [request(p, session="b")])[0]
+    first = run_all(sched, [request(p, affinity="a", boundaries=(len(p),))])[0]
+    again = run_all(sched, [request(p, affinity="b")])[0]
     assert again[2].usage.cached_tokens == len(p) - 1
     assert again[0] == first[0] == cold(engine, tokenizer, request(p))
 
@@ -56,10 +56,10 @@ def test_full_hit_recomputes_only_the_last_prompt_token(engine, tokenizer):
 def test_prefix_from_another_busy_slot_is_copied_on_device(engine, tokenizer):
     sched = make(engine, tokenizer)
     p = ids(4, WINDOW - 2)  # within one window: another slot can serve a partial prefix
-    a = sched.submit(request(p, max_tokens=20, session="a"))
+    a = sched.submit(request(p, max_tokens=20, affinity="a"))
     sched.step()
     b_prompt = p + ids(5, 4)
-    b = sched.submit(request(b_prompt, session="b"))
+    b = sched.submit(request(b_prompt, affinity="b"))
     sched.run_until_idle()
     assert sched.kv.stats.device_copies == 1
     fin_b = b.result(timeout=0)
@@ -71,13 +71,13 @@ def test_prefix_from_another_busy_slot_is_copied_on_device(engine, tokenizer):
 def test_evicted_session_comes_back_from_the_host_tier(engine, tokenizer):
     sched = make(engine, tokenizer)
     p1 = ids(6, 4 * WINDOW)
-    g1 = run_all(sched, [request(p1, session="home")])[0][0]
+    g1 = run_all(sched, [request(p1, affinity="home")])[0][0]
     # Eight other sessions take every slot, so "home" is evicted to the host tier.
-    run_all(sched, [request(ids(100 + i, 20), session=f"other{i}") for i in range(8)])
-    assert all(slot.session != "home" for slot in sched.slots)
+    run_all(sched, [request(ids(100 + i, 20), affinity=f"other{i}") for i in range(8)])
+    assert all(slot.affinity != "home" for slot in sched.slots)
     assert sched.kv.stats.host_saves >= 1
     p2 = p1 + tuple(g1) + ids(7, 5)
-    g2, _, fin = run_all(sched, [request(p2, session="home")])[0]
+    g2, _, fin = run_all(sched, [request(p2, affinity="home")])[0]
     assert sched.kv.stats.host_restores == 1
     assert fin.usage.cached_tokens == len(p1) + len(g1) - 1
     assert g2 == cold(engine, tokenizer, request(p2))
@@ -97,7 +97,8 @@ def test_outputs_with_caching_equal_outputs_without(engine, tokenizer):
         reqs, outs = [], []
         for i, (s, a) in enumerate(sessions):
             history[s] = history[s] + ids(1000 * turn + i, 3)
-            reqs.append(request(history[s], max_tokens=4, session=s, agent=a, boundaries=(len(system[a]),)))
+            reqs.append(request(history[s], max_tokens=4, affinity=s, group=a, cache_scope=a,
+                                boundaries=(len(system[a]),)))
             outs.append(cold(engine, tokenizer, reqs[-1]))
             history[s] = history[s] + tuple(outs[-1])
         turns.append(reqs)
@@ -152,16 +153,16 @@ def test_long_prompt_delays_running_streams_by_at_most_one_chunk_per_token(engin
 
 def test_fair_share_across_agents(engine, tokenizer):
     sched = make(engine, tokenizer)
-    busy = [sched.submit(request(ids(700 + i, 5), max_tokens=2, agent="busy")) for i in range(40)]
-    quiet = [sched.submit(request(ids(800 + i, 5), max_tokens=2, agent="quiet")) for i in range(3)]
+    busy = [sched.submit(request(ids(700 + i, 5), max_tokens=2, group="busy")) for i in range(40)]
+    quiet = [sched.submit(request(ids(800 + i, 5), max_tokens=2, group="quiet")) for i in range(3)]
     sched.run_until_idle()
     first = lambda h: next(iter(h.events(timeout=0))).iteration  # noqa: E731
     last_busy = max(first(h) for h in busy)
     assert max(first(h) for h in quiet) < last_busy / 2  # quiet agent is not starved behind the backlog
     # Priority 3 gets three admissions for every one of priority 1.
     sched = make(engine, tokenizer)
-    low = [sched.submit(request(ids(900 + i, 5), max_tokens=1, agent="low")) for i in range(30)]
-    high = [sched.submit(request(ids(950 + i, 5), max_tokens=1, agent="high", priority=3)) for i in range(30)]
+    low = [sched.submit(request(ids(900 + i, 5), max_tokens=1, group="low")) for i in range(30)]
+    high = [sched.submit(request(ids(950 + i, 5), max_tokens=1, group="high", priority=3)) for i in range(30)]
     sched.run_until_idle()
     order = sorted(low + high, key=lambda h: (first(h), h in low))[:24]
     served_high = sum(h in high for h in order)
@@ -454,11 +455,11 @@ def test_a_dry_request_follows_its_definition_through_the_scheduler(engine, toke
     params = SamplingParams(temperature=0.0, dry_multiplier=2.0, dry_base=1.5, dry_allowed_length=1,
                             dry_penalty_last_n=40)
     sched = make(engine, tokenizer)
-    got = run_all(sched, [request(prompt, max_tokens=10, sampling=params, session="d"),
+    got = run_all(sched, [request(prompt, max_tokens=10, sampling=params, affinity="d"),
                           request(ids(71, 5), max_tokens=10)])
     tokens = got[0][0]
     assert tokens != cold(engine, tokenizer, request(prompt, max_tokens=10))
-    again = run_all(sched, [request(prompt, max_tokens=10, sampling=params, session="d")])[0]
+    again = run_all(sched, [request(prompt, max_tokens=10, sampling=params, affinity="d")])[0]
     assert again[2].usage.cached_tokens > 0 and again[0] == tokens  # a cache hit: the same DRY output
     table = BreakerTables(tokenizer.token_bytes, tokenizer.vocab_size, tokenizer.encode).table(
         params.dry_sequence_breakers)
