@@ -30,7 +30,13 @@ from core.engine import ROWS_VERIFY_WIDTH, EngineConfig
 from core.sampling import SamplingParams
 from scheduler.grammar import COMPILE_TIMEOUT_S, DEFAULT_BACKEND, MAX_SCHEMA_BYTES, GrammarCompiler
 from scheduler.grammar_spec import ConstraintSpec
-from scheduler.request import ContextLengthError, FinishReason, GenerationRequest, RequestHandle
+from scheduler.request import (
+    DEFAULT_MAX_TOKENS,
+    FinishReason,
+    GenerationRequest,
+    RequestHandle,
+    generation_room,
+)
 from scheduler.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -335,7 +341,6 @@ class SessionNotFoundError(LookupError):
 # A session's turn claim (and a request's Idempotency-Key claim) lapses this long after its last renewal, so a
 # crashed server frees them; renewed every third of it while the turn runs.
 LEASE_S = 30.0
-DEFAULT_MAX_TOKENS = 256  # generated tokens when neither the request nor the agent sets max_tokens
 
 
 class SessionBusyError(RuntimeError):
@@ -704,10 +709,7 @@ class ChatService:
         if spec is not None:
             compiled = await asyncio.wrap_future(self.runtime.compiler.compile_async(spec))
             constraint = self.runtime.compiler.matcher(compiled)
-        room = self.runtime.max_len - len(rendered.ids)
-        if room < 1:
-            raise ContextLengthError(f"the prompt has {len(rendered.ids)} tokens; the context holds "
-                                     f"{self.runtime.max_len} including at least one generated token")
+        room = generation_room(len(rendered.ids), self.runtime.max_len)
         wanted = p.max_tokens or agent.defaults.max_tokens or self.default_max_tokens
         max_tokens = min(wanted, room, self.max_tokens_limit or wanted)
         stop = [*(p.stop if p.stop is not None else (agent.defaults.stop or [])), *rendered.stop]

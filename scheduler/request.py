@@ -36,11 +36,23 @@ class FinishReason(StrEnum):
     ERROR = "error"
 
 
+DEFAULT_MAX_TOKENS = 256  # generated tokens when nobody says how many
+
+
+def generation_room(prompt_tokens: int, max_len: int) -> int:
+    """How many tokens a prompt of ``prompt_tokens`` leaves to generate in a slot of ``max_len`` positions;
+    ContextLengthError when not even one."""
+    if prompt_tokens >= max_len:
+        raise ContextLengthError(f"the prompt has {prompt_tokens} tokens; the context holds {max_len} "
+                                 "including at least one generated token")
+    return max_len - prompt_tokens
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     # What the scheduler groups requests by, all opaque to it (agents/ fills them; docs/architecture.md):
@@ -52,7 +64,6 @@ class GenerationRequest:
     # Prompt positions where a message ends (the system prompt, each turn): prefill chunks end there, so a later
     # request resuming at one computes the rest in the very chunks a cold run uses.
     boundaries: tuple[int, ...] = ()
-    seed: int | None = None  # None: drawn at admission (also the sampling seed unless sampling.seed is set)
     want_logprobs: bool = False  # the sampled token's logprob (top alternatives: sampling.logprobs)
     constraint: Any = None  # structured-output state (per slot); None: unconstrained
     # A constrained output near max_tokens closes along its grammar rather than being cut (budget_close).

@@ -36,7 +36,6 @@ from scheduler.host_tier import HostTier
 from scheduler.kv_manager import CacheConfig, KVCacheManager
 from scheduler.plan import PrefillChunk, StepOutcome, StepPlan, StepRow
 from scheduler.request import (
-    ContextLengthError,
     EngineFailedError,
     Event,
     FinishEvent,
@@ -46,6 +45,7 @@ from scheduler.request import (
     RequestHandle,
     TokenEvent,
     Usage,
+    generation_room,
 )
 from scheduler.sequence import SeqState, Sequence
 from scheduler.slots import Slot
@@ -165,10 +165,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
         if self.failure is not None:
             raise EngineFailedError(f"the engine loop died ({self.failure})")
-        if len(request.prompt_ids) >= self.engine.max_len:
-            raise ContextLengthError(
-                f"prompt of {len(request.prompt_ids)} tokens exceeds the context length "
-                f"({self.engine.max_len} positions including at least one generated token)")
+        generation_room(len(request.prompt_ids), self.engine.max_len)
         vocab = self.engine.cfg.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
@@ -180,7 +177,7 @@ class Scheduler:
             self._waiting_count += 1
             seq_id = self._next_id
             self._next_id += 1
-        seed = request.seed if request.seed is not None else request.sampling.seed
+        seed = request.sampling.seed
         seq = Sequence(
             id=seq_id, request=request, handle=handle,
             detokenizer=self.tokenizer.detokenizer(skip_special=True),

@@ -10,6 +10,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from server import defaults
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -45,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (agents, sessions, admin API)")
     serve.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    serve.add_argument("--host", default=None, help="bind address (default: the config's, 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="port (default: the config's, 8000)")
+    serve.add_argument("--host", default=None, help=f"bind address (default: the config's, {defaults.HOST})")
+    serve.add_argument("--port", type=int, default=None, help=f"port (default: the config's, {defaults.PORT})")
     serve.add_argument("--redis-url", default=None, help="store sessions and agents in Redis (redis://host:port/db)")
     serve.add_argument("--model", default=None, help="override the config's model ('default', a directory, a .gguf)")
     serve.add_argument("--precision", default=None, choices=("float", "f32", "w8a8"),
@@ -66,12 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _cluster_args(sub) -> None:
     cluster = sub.add_parser("cluster", help="N `serve` replicas sharing one Redis behind a router, on this machine "
                                              "(docs/scale-out.md)")
-    cluster.add_argument("--replicas", type=int, default=2, help="how many replicas (default 2)")
+    cluster.add_argument("--replicas", type=int, default=defaults.CLUSTER_REPLICAS,
+                         help="how many replicas (default %(default)s)")
     cluster.add_argument("--router", default="vllm-router", choices=("vllm-router", "haproxy"),
                          help="vllm-router (sticky_least_loaded; installed under .cache/venvs if not on PATH) or "
                               "haproxy (from PATH)")
-    cluster.add_argument("--host", default="127.0.0.1", help="the router's bind address")
-    cluster.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
+    cluster.add_argument("--host", default=defaults.HOST, help="the router's bind address (default %(default)s)")
+    cluster.add_argument("--port", type=int, default=defaults.PORT, help="the router's port (default %(default)s)")
     cluster.add_argument("--redis-url", default=None, help="a shared Redis (default: start a private redis-server)")
     cluster.add_argument("--config", default=None, help="YAML config for every replica")
     cluster.add_argument("--model", default=None, help="override the config's model")

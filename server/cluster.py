@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from server import balancers
+from server import balancers, defaults
 
 ReplicaCommand = Callable[[int, str], list[str]]  # (port, redis url) -> the replica's argv
 STOP_TIMEOUT_S = 40.0
@@ -117,8 +117,8 @@ class Cluster:
     replica_command: ReplicaCommand
     workdir: Path
     router: str | None = "vllm-router"  # None: no router (start one later with `start_router`)
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = defaults.HOST
+    port: int = defaults.PORT
     redis_url: str | None = None
     ready_timeout_s: float = 600.0
     members: list[Replica] = field(default_factory=list)

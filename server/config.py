@@ -9,6 +9,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agents.service import DEFAULT_MAX_TOKENS, LEASE_S, RuntimeOptions
+from agents.store.redis_store import DEFAULT_PREFIX, DEFAULT_TIMEOUT_S
+from server import defaults
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -74,8 +76,8 @@ class LimitsSection(_Section):
 
 class StoreSection(_Section):
     url: str = "memory://"  # memory:// or redis://host:port/db
-    prefix: str = "slotserve:"  # Redis key prefix
-    timeout_s: float = Field(2.0, gt=0)  # every Redis call; beyond it requests get 503 store_unavailable
+    prefix: str = DEFAULT_PREFIX  # Redis key prefix
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0)  # every Redis call; beyond it requests get 503 store_unavailable
     session_ttl_s: float = Field(86_400, ge=0)  # 0: sessions never expire
     max_sessions_per_agent: int = Field(0, ge=0)  # 0: no limit
     # A crashed server's hold on a running turn (its session, its Idempotency-Key) lapses this long after it
@@ -84,8 +86,8 @@ class StoreSection(_Section):
 
 
 class ServerSection(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = defaults.HOST
+    port: int = Field(defaults.PORT, ge=0, le=65535)
     graceful_shutdown_s: float = Field(30.0, ge=0)  # in-flight streams get this long, then are ended
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = True

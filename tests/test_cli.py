@@ -67,3 +67,23 @@ def test_bad_arguments_fail_cleanly():
     assert proc.returncode != 0 and "--prompt-ids" in proc.stderr
     proc = run_cli("generate", "--model", "/nonexistent/model")
     assert proc.returncode == 2 and "error" in proc.stderr
+
+
+def test_address_and_store_defaults_are_stated_once():
+    """The config file's schema, the cluster and the CLI's help take the server address from one place, and the
+    config's store section its prefix and timeout from the Redis store."""
+    from agents.store import redis_store
+    from server import defaults
+    from server.cli import build_parser
+    from server.cluster import Cluster
+    from server.config import ServerSection, StoreSection
+
+    assert (ServerSection().host, ServerSection().port) == (defaults.HOST, defaults.PORT)
+    assert (Cluster.host, Cluster.port) == (defaults.HOST, defaults.PORT)
+    assert (StoreSection().prefix, StoreSection().timeout_s) == (redis_store.DEFAULT_PREFIX,
+                                                                 redis_store.DEFAULT_TIMEOUT_S)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    serve_help = sub.choices["serve"].format_help()
+    cluster_help = sub.choices["cluster"].format_help()
+    assert defaults.HOST in serve_help and str(defaults.PORT) in serve_help
+    assert f"default {defaults.PORT}" in cluster_help and f"default {defaults.CLUSTER_REPLICAS}" in cluster_help

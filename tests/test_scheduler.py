@@ -182,7 +182,7 @@ def test_bounded_queue_rejects_when_full(engine, tokenizer):
 
 def test_prompt_longer_than_the_slot_is_rejected_up_front(engine, tokenizer):
     sched = make(engine, tokenizer)
-    with pytest.raises(ContextLengthError, match="context length"):
+    with pytest.raises(ContextLengthError, match=f"the context holds {engine.max_len}"):
         sched.submit(request(ids(11, engine.max_len)))
 
 

@@ -171,6 +171,10 @@ def _session(agent: str, sid: str, created: Any, updated: Any, expires: Any, own
                    _seconds(expires), owner or None)
 
 
+DEFAULT_PREFIX = "slotserve:"  # every key starts with it
+DEFAULT_TIMEOUT_S = 2.0  # bound on each Redis call
+
+
 class RedisStore(Store):
     """`Store` on Redis. ``url`` as for ``redis.asyncio.from_url`` (e.g. "redis://127.0.0.1:6379/0").
     ``timeout_s`` bounds every call (connect, each reply, and the whole operation); one retry on a dropped
@@ -180,10 +184,10 @@ class RedisStore(Store):
         self,
         url: str,
         *,
-        prefix: str = "slotserve:",
+        prefix: str = DEFAULT_PREFIX,
         session_ttl: float | None = None,
         max_sessions_per_agent: int | None = None,
-        timeout_s: float = 2.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__(session_ttl=session_ttl, max_sessions_per_agent=max_sessions_per_agent)
         self.timeout_s = timeout_s
