@@ -1,5 +1,5 @@
 """`slotserve generate` and `slotserve tokenize`: prompts from the command line through the runtime the server
-builds (`agents.service.build_runtime`: the same precision, KV dtype, caches and scheduler), no HTTP."""
+builds (`agents.runtime.build_runtime`: the same precision, KV dtype, caches and scheduler), no HTTP."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _request(spec: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> 
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from agents.service import RuntimeOptions, build_runtime
+    from agents.runtime import RuntimeOptions, build_runtime
 
     specs = _prompt_specs(args)
     given = {"model": args.model, "num_slots": args.slots, "max_len": args.max_len}

@@ -1,34 +1,34 @@
-"""The serving runtime and the chat service between the HTTP server and the scheduler.
+"""The chat service between the HTTP server and the scheduler.
 
-* `build_runtime(options)` loads a model, compiles the engine's steps, warms the grammar compiler and
-  builds the `Scheduler`: everything that touches JAX is created here (the server never imports it).
-  `assemble_runtime` does the same from an engine and tokenizer you built yourself (tests, embedding).
-* `ChatService` turns an agent plus an OpenAI-style request (`ChatParams`) into a `GenerationRequest`:
-  session history, the prompt (agent system prompt, tools), sampling parameters (agent defaults
-  overridden by the request), the output constraint (response_format / tools); it submits it, and
-  after generation parses tool calls and commits the session turn.
+`ChatService` turns an agent plus a transport-free request (`agents.chat_params.ChatParams`) into a
+`GenerationRequest` and back: history (`agents.history`) -> prompt (the agent's system prompt, tools, the chat
+template) -> constraint (response_format / tools) -> sampling (agent defaults overridden by the request) ->
+request; after generation it parses tool calls and commits the session turn under its lease
+(`agents.store.lease`). The runtime it serves on is built by `agents.runtime`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.chat_template import DEFAULT_BUILTIN, ChatTemplate, PromptTooLongError, RenderedPrompt
+from agents.chat_params import ChatParams, SessionCaller
+from agents.chat_template import PromptTooLongError, RenderedPrompt
+from agents.errors import InvalidRequestError, SessionBusyError, SessionNotFoundError
+from agents.history import merge_history
 from agents.messages import normalize_messages
 from agents.prompt_text import leading_system_count
+from agents.runtime import Runtime
 from agents.spec import AgentSpec
-from agents.store import Session, SessionInfo, SessionLimitError, Store, StoreError
+from agents.store import Session, SessionLimitError, Store
+from agents.store.lease import LEASE_S, TurnClaim
 from agents.tool_calls import ToolCallStream, begins_call, parse_partial_calls, parse_tool_calls, split_answer
 from core import dry
-from core.engine import ROWS_VERIFY_WIDTH, EngineConfig
 from core.sampling import SamplingParams
-from scheduler.grammar import COMPILE_TIMEOUT_S, DEFAULT_BACKEND, MAX_SCHEMA_BYTES, GrammarCompiler
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import (
     DEFAULT_MAX_TOKENS,
@@ -37,353 +37,11 @@ from scheduler.request import (
     RequestHandle,
     generation_room,
 )
-from scheduler.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "ChatParams",
-    "ChatService",
-    "Generation",
-    "Runtime",
-    "RuntimeOptions",
-    "assemble_runtime",
-    "build_runtime",
-]
+__all__ = ["DEFAULT_MAX_TOKENS", "ChatService", "Generation", "Outcome", "response_format_spec"]
 
-# Start-up progress: progress(stage, done, total, detail); a stage lasts until the next one is named.
-Progress = Callable[..., None]
-
-
-# --------------------------------------------------------------------------------------------------
-# runtime
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RuntimeOptions:
-    """What `build_runtime` needs (the server's YAML config maps onto this)."""
-
-    model: str = "default"
-    dtype: str | None = None  # None: chosen per device
-    kv_dtype: str | None = None  # "int8", a float dtype or "compute"; None: chosen (core.device.choose_kv_dtype)
-    precision: str | None = None  # "float" | "w8a8"; None: chosen per device (core.device.choose_precision)
-    # The built-in chat template for a checkpoint without its own (agents.chat_template.BUILTIN_TEMPLATES).
-    chat_template: str = DEFAULT_BUILTIN
-    # Each default below is the one its owner states (the engine's, the scheduler's, the grammar compiler's);
-    # the server's config and the CLI take theirs from here.
-    num_slots: int = EngineConfig.num_slots
-    max_len: int = EngineConfig.max_len
-    chunk_sizes: tuple[int, ...] = EngineConfig.chunk_sizes
-    compile_cache: str | None = None  # directory; None: the default cache dir; "off": disabled
-    # Ready once what a short first request runs is compiled; the rest compile on a thread
-    # (core.engine.Engine.warmup).
-    background_compile: bool = True
-    prefill_budget: int | None = SchedulerConfig.prefill_budget
-    max_waiting: int = SchedulerConfig.max_waiting
-    prefix_caching: bool = SchedulerConfig.prefix_caching
-    speculative: bool = SchedulerConfig.speculative
-    # Several greedy streams verify their drafts in one batched pass (EngineConfig.rows_verify_width): off
-    # unless asked for, since its exactness depends on the CPU (docs/design-notes.md).
-    batched_speculation: bool = False
-    host_tier_bytes: int = SchedulerConfig.host_tier_bytes
-    grammar_backend: str = DEFAULT_BACKEND
-    grammar_compile_timeout_s: float = COMPILE_TIMEOUT_S
-    max_schema_bytes: int = MAX_SCHEMA_BYTES
-
-
-@dataclass
-class Runtime:
-    """One resident model and everything that serves it."""
-
-    engine: Any  # core.engine.Engine
-    scheduler: Any  # scheduler.scheduler.Scheduler
-    tokenizer: Any  # core.tokenizer.Tokenizer
-    compiler: GrammarCompiler
-    template: ChatTemplate
-    model_name: str
-    dtype: str
-    dtype_reason: str = ""
-    precision: str = "float"
-    precision_reason: str = ""
-    kv_dtype_reason: str = ""
-    load_seconds: float = 0.0
-    weights_from_cache: bool = False  # the prepared weights were read back from the weights cache
-    compile_seconds: float = 0.0
-    _started: bool = field(default=False, repr=False)
-
-    @property
-    def kv_dtype(self) -> str:
-        return str(self.engine.spec.dtype)
-
-    @property
-    def num_slots(self) -> int:
-        return self.engine.num_slots
-
-    @property
-    def max_len(self) -> int:
-        return self.engine.max_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.cfg.vocab_size
-
-    def start(self) -> None:
-        if not self._started:
-            self.scheduler.start()
-            self._started = True
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """End every stream with a finish event, stop the engine thread, close the compiler pool."""
-        if self._started:
-            self.scheduler.stop(timeout)
-            self._started = False
-        self.compiler.close()
-
-    def info(self) -> dict[str, str]:
-        return {
-            "model": self.model_name,
-            "dtype": self.dtype,
-            "precision": self.precision,
-            "kv_dtype": self.kv_dtype,
-            "slots": str(self.num_slots),
-            "max_len": str(self.max_len),
-            "kv_bytes_per_slot": str(self.engine.bytes_per_slot),
-            "grammar_backend": self.compiler.backend,
-        }
-
-
-def assemble_runtime(
-    engine: Any,
-    tokenizer: Any,
-    options: RuntimeOptions | None = None,
-    *,
-    model_name: str = "custom",
-    dtype_reason: str = "",
-    precision: str = "float",
-    precision_reason: str = "",
-    kv_dtype_reason: str = "",
-    load_seconds: float = 0.0,
-    weights_from_cache: bool = False,
-    progress: Progress | None = None,
-    compiler: GrammarCompiler | None = None,
-) -> Runtime:
-    """Grammar compiler (built here unless given) + scheduler + chat template around an already warm
-    engine."""
-    from scheduler.scheduler import Scheduler
-
-    options = options or RuntimeOptions()
-    if compiler is None:
-        if progress:
-            progress("build the grammar tokenizer bridge")
-        compiler = grammar_compiler(tokenizer, options, engine.cfg.vocab_size)
-    scheduler = Scheduler(
-        engine,
-        tokenizer,
-        SchedulerConfig(
-            prefill_budget=options.prefill_budget,
-            max_waiting=options.max_waiting,
-            prefix_caching=options.prefix_caching,
-            speculative=options.speculative,
-            host_tier_bytes=options.host_tier_bytes,
-        ),
-        stop_ids=compiler.stop_ids,
-    )
-    return Runtime(
-        engine=engine, scheduler=scheduler, tokenizer=tokenizer, compiler=compiler,
-        template=ChatTemplate(tokenizer, builtin=options.chat_template), model_name=model_name, dtype=engine.dtype,
-        dtype_reason=dtype_reason, precision=precision, precision_reason=precision_reason,
-        kv_dtype_reason=kv_dtype_reason, load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
-        weights_from_cache=weights_from_cache,
-    )
-
-
-def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *,
-                     bridge_now: bool = True) -> GrammarCompiler:
-    """The grammar compiler with its tokenizer bridge (the slow part: a pass over the vocabulary) built, or
-    being built on its own worker unless ``bridge_now``."""
-    compiler = GrammarCompiler(tokenizer, options.grammar_backend, compile_timeout_s=options.grammar_compile_timeout_s,
-                               max_schema_bytes=options.max_schema_bytes, vocab_size=vocab_size)
-    if bridge_now:
-        compiler.warm_up()
-    else:
-        compiler.warm_up_in_background()
-    return compiler
-
-
-def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
-    """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
-    from core.compile_cache import enable_compile_cache
-    from core.device import choose_kv_dtype, default_cache_dir
-    from core.engine import Engine, EngineConfig
-    from core.program_store import ProgramStore
-    from core.runtime import load_model
-
-    if options.compile_cache != "off":
-        enable_compile_cache(options.compile_cache)
-    if progress:
-        progress("load the model", detail=str(options.model))
-    # Prepared weights and exported programs are cached beside the compiled programs ("off": none of them).
-    caching = options.compile_cache != "off"
-    weights_cache = default_cache_dir() / "weights" if caching else None
-    program_store = ProgramStore(default_cache_dir() / "programs") if caching else None
-    model = load_model(options.model, dtype=options.dtype, precision=options.precision,
-                       progress=(lambda done, total: progress("load the model", done, total, str(options.model)))
-                       if progress else None, weights_cache=weights_cache)
-    if progress and model.weights_from_cache:
-        progress("load the model", detail=f"{options.model}, prepared weights from {weights_cache}")
-    kv_dtype, kv_reason = choose_kv_dtype(options.kv_dtype, model.precision)
-    engine = Engine(model.cfg, model.params,
-                    EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
-                                 chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
-                                 rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0),
-                    model.dtype, program_store)
-    if progress:
-        progress("allocate the KV pool", detail=(
-            f"{engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: {kv_reason}), "
-            f"{engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
-            f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
-            f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})"))
-    def compiling(name: str, done: int, total: int) -> None:
-        detail = f"{total} programs; the tokenizer loaded meanwhile" if done == total else name
-        progress("compile the step programs", done, total, detail)
-
-    # The tokenizer loads while the compile threads wait on XLA, which runs outside the GIL.
-    engine.warmup(compiling if progress else None, background=options.background_compile,
-                  meanwhile=lambda: model.tokenizer)
-    # The grammar tokenizer bridge is seconds of work holding the GIL: with a background warm-up it is built
-    # after ready, like the larger programs (a constrained request meanwhile waits for it).
-    if progress and not options.background_compile:
-        progress("build the grammar tokenizer bridge")
-    compiler = grammar_compiler(model.tokenizer, options, model.cfg.vocab_size,
-                                bridge_now=not options.background_compile)
-    return assemble_runtime(engine, model.tokenizer, options, compiler=compiler, model_name=str(options.model),
-                            dtype_reason=model.dtype_reason, precision=model.precision,
-                            precision_reason=model.precision_reason, kv_dtype_reason=kv_reason,
-                            load_seconds=model.load_seconds, weights_from_cache=model.weights_from_cache,
-                            progress=progress)
-
-
-# --------------------------------------------------------------------------------------------------
-# requests
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ChatParams:
-    """A validated OpenAI request, transport-free. None means "not given" (the agent default applies)."""
-
-    messages: list[dict[str, Any]] | None = None  # chat
-    prompt: str | list[int] | None = None  # completions: text, or token ids fed as given
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: tuple[str, ...] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
-    logit_bias: dict[int, float] | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    ignore_eos: bool = False
-    close_within_budget: bool = True  # a constrained output near max_tokens closes along its grammar
-    session_id: str | None = None
-    user: str | None = None
-    cache_salt: str | None = None  # requests share cached KV only with the same salt (vLLM's API)
-    caller: SessionCaller | None = None  # who asks, for session ownership; None: sessions are shared
-    truncation: str | None = None  # "auto" | "disabled"; None: the agent's
-    instructions: str | None = None  # a system message for this request only: rendered first, never stored
-    only_new: bool = False  # the messages are only what follows the session's history (never a resent history)
-    # True: up to MAX_PARALLEL_CALLS calls in one turn. Not given: one (unlike OpenAI's default, since a small
-    # model offered more calls tends to run on into calls nobody asked for).
-    parallel_tool_calls: bool | None = None
-
-
-class InvalidRequestError(ValueError):
-    """A request the service refuses before generating (HTTP 400); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
-        self.param = param
-        self.code = code
-        super().__init__(message)
-
-
-@dataclass(frozen=True)
-class SessionCaller:
-    """Who is asking, as far as sessions go: the fingerprint of their API key (never the key), and whether they
-    may see every session (an admin key)."""
-
-    owner: str | None
-    admin: bool = False
-
-    def may_see(self, session: Session | SessionInfo) -> bool:
-        return self.admin or session.owner == self.owner
-
-
-class SessionNotFoundError(LookupError):
-    """No such session for this caller: absent, or owned by another key (HTTP 404 either way)."""
-
-    def __init__(self, agent: str, sid: str) -> None:
-        super().__init__(f"no session {sid!r} for agent {agent!r}")
-
-
-# A session's turn claim (and a request's Idempotency-Key claim) lapses this long after its last renewal, so a
-# crashed server frees them; renewed every third of it while the turn runs.
-LEASE_S = 30.0
-
-
-class SessionBusyError(RuntimeError):
-    """Another turn of this session is still running, here or on another server (HTTP 409)."""
-
-    def __init__(self, agent: str, sid: str) -> None:
-        super().__init__(f"session {sid!r} of agent {agent!r} has a turn running; send the next turn after it "
-                         "finishes")
-
-
-@dataclass(eq=False)
-class TurnClaim:
-    """One turn's exclusive hold on its session (Store.begin_turn), renewed while the turn runs."""
-
-    store: Store
-    agent: str
-    sid: str
-    token: str
-    lease_s: float = LEASE_S
-    renewal: asyncio.Task | None = None
-    handle: RequestHandle | None = None  # the turn's generation, once submitted
-
-    async def keep(self) -> None:
-        """Renew until released; a generation that finished a whole lease ago without a commit (its response
-        was never read) lets the claim lapse rather than hold the session."""
-        finished_for = 0.0
-        while True:
-            await asyncio.sleep(self.lease_s / 3)
-            if self.handle is not None and self.handle.finished is not None:
-                finished_for += self.lease_s / 3
-                if finished_for >= self.lease_s:
-                    return
-            try:
-                if not await self.store.renew_turn(self.agent, self.sid, self.token, self.lease_s):
-                    log.warning("a turn's session claim lapsed", extra={"event": {"session": self.sid}})
-                    return
-            except StoreError as e:  # the store is down: the claim lapses on its own, the turn goes on
-                log.warning("could not renew a session claim: %s", e)
-
-    async def release(self) -> None:
-        if self.renewal is not None:
-            self.renewal.cancel()
-        await self.store.end_turn(self.agent, self.sid, self.token)
 
 
 @dataclass(eq=False)  # identity semantics: the server keeps in-flight generations in a set
@@ -436,65 +94,6 @@ def _with_ids(calls: list[dict[str, Any]], call_ids: list[str] | None) -> list[d
     for call, call_id in zip(calls, call_ids or (), strict=False):
         call["id"] = call_id
     return calls
-
-
-class HistoryConflictError(ValueError):
-    """A resent history that contradicts the stored session (HTTP 409); ``index`` is the first differing
-    message of the request."""
-
-    def __init__(self, index: int, detail: str) -> None:
-        self.index = index
-        super().__init__(f"messages[{index}] {detail}; send only the new messages, the unchanged history, "
-                         "or start a new session")
-
-
-def _same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Equal as a conversation turn: role, name, tool call id and tool calls (arguments as JSON values), and
-    content up to surrounding whitespace (clients strip or re-indent what they send back)."""
-    if any(a.get(k) != b.get(k) for k in ("role", "name", "tool_call_id")):
-        return False
-    if (a.get("content") or "").strip() != (b.get("content") or "").strip():
-        return False
-    return _calls(a) == _calls(b)
-
-
-def _calls(message: dict[str, Any]) -> list[tuple[Any, Any]]:
-    out = []
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function", {})
-        arguments = fn.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                arguments = arguments.strip()
-        out.append((fn.get("name"), arguments))
-    return out
-
-
-def merge_history(history: list[dict[str, Any]], incoming: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages of ``incoming`` (normalised) that the stored ``history`` does not hold yet.
-
-    A client either sends only the new message(s), or resends the conversation with the new messages at the
-    end (agent frameworks do). A resend is recognised by its first message matching the stored first one
-    (with more than one message sent, or a system message first): it must then match the stored history
-    message by message (`_same_message`) and add something after it, else `HistoryConflictError`; never is
-    a resent history appended twice."""
-    if not history or not incoming:
-        return incoming
-    resend = _same_message(incoming[0], history[0]) and (len(incoming) > 1 or incoming[0]["role"] == "system")
-    if not resend:
-        if incoming[0]["role"] == "system" and history[0]["role"] == "system":
-            raise HistoryConflictError(0, "is a system message that differs from the session's")
-        if incoming[0]["role"] == "system" and len(incoming) > 1 and _same_message(incoming[1], history[0]):
-            raise HistoryConflictError(0, "is a system message the session does not start with")
-        return incoming
-    for i, (sent, stored) in enumerate(zip(incoming, history, strict=False)):
-        if not _same_message(sent, stored):
-            raise HistoryConflictError(i, f"differs from the session's message {i} ({stored['role']})")
-    if len(incoming) <= len(history):
-        raise HistoryConflictError(len(incoming) - 1, "ends the resent history without a new message")
-    return incoming[len(history):]
 
 
 def response_format_spec(response_format: dict[str, Any] | None) -> ConstraintSpec | None:

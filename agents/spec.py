@@ -40,7 +40,7 @@ class RepetitionControls(BaseModel):
         | None = Field(None, min_length=1, max_length=dry.MAX_BREAKERS, description="extension (llama.cpp's)")
 
     def repetition_values(self) -> dict[str, Any]:
-        """The fields given, as agents.service.ChatParams takes them."""
+        """The fields given, as agents.chat_params.ChatParams takes them."""
         out: dict[str, Any] = {name: getattr(self, name) for name in RepetitionControls.model_fields}
         if self.dry_sequence_breakers is not None:
             out["dry_sequence_breakers"] = tuple(self.dry_sequence_breakers)

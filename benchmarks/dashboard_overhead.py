@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dashboard-overhead-cpu.json"))
     args = p.parse_args(argv)
 
-    from agents.service import build_runtime
+    from agents.runtime import build_runtime
     from server.app import configure_logging, create_app
     from server.config import load_config
     from server.dashboard import slots_document

@@ -9,7 +9,7 @@ Run from the repository root:
 
 What it does, in one process plus one client subprocess per wave:
 
-1. builds the runtime once (`agents.service.build_runtime`, configs/default.yaml with --slots/--max-len/--model
+1. builds the runtime once (`agents.runtime.build_runtime`, configs/default.yaml with --slots/--max-len/--model
    overrides), starts its scheduler and serves it with uvicorn in a thread on a free loopback port
    (`server.app.create_app(config, runtime=...)`, as the server tests do), and waits for /ready;
 2. engine baseline: with the scheduler idle, times `engine.decode` + `engine.sample(needs_full=False)` for all S
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
-    from agents.service import build_runtime
+    from agents.runtime import build_runtime
     from server.app import configure_logging, create_app
     from server.config import load_config
 

@@ -16,8 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agents.chat_params import ChatParams
 from agents.messages import invalid_text_path
-from agents.service import ChatParams, Outcome
+from agents.service import Outcome
 from agents.spec import AgentSpec
 from agents.tool_calls import CallPiece
 from scheduler.request import FinishEvent

@@ -8,7 +8,7 @@ one turn pipeline of `server.turns`:
 * `server.responses_api`: the Responses API; `server.anthropic_api`: the Anthropic Messages API;
 * `server.sessions_api`: server-side sessions; `server.admin_api`: agents created and changed over HTTP.
 
-Nothing here imports JAX: the runtime is built by `agents.service.build_runtime`.
+Nothing here imports JAX: the runtime is built by `agents.runtime.build_runtime`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from agents.registry import AgentRegistry
-from agents.service import (
-    ChatService,
-    Runtime,
-    build_runtime,
-)
+from agents.runtime import Runtime, build_runtime
+from agents.service import ChatService
 from agents.store import Store, StoreUnavailableError, open_store
 from server.admin_api import router as admin_router
 from server.anthropic_api import router as anthropic_router

@@ -13,8 +13,8 @@ import hmac
 
 from fastapi import Request
 
+from agents.chat_params import SessionCaller
 from agents.registry import authorize
-from agents.service import SessionCaller
 from agents.spec import AgentSpec
 from server.errors import APIError
 

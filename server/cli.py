@@ -84,7 +84,7 @@ def _cluster_args(sub) -> None:
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    # None: the runtime's default (agents.service.RuntimeOptions), read once JAX may load.
+    # None: the runtime's default (agents.runtime.RuntimeOptions), read once JAX may load.
     parser.add_argument("--slots", type=int, default=None, help="KV slots (concurrent sequences; default 8)")
     parser.add_argument("--max-len", type=int, default=None, help="positions per slot (default 8192)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: by device)")

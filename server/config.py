@@ -8,7 +8,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agents.service import DEFAULT_MAX_TOKENS, LEASE_S, RuntimeOptions
+from agents.runtime import RuntimeOptions
+from agents.service import DEFAULT_MAX_TOKENS
+from agents.store.lease import LEASE_S
 from agents.store.redis_store import DEFAULT_PREFIX, DEFAULT_TIMEOUT_S
 from server import defaults
 

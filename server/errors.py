@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agents.chat_template import PromptTooLongError
+from agents.errors import HistoryConflictError, InvalidRequestError, SessionBusyError, SessionNotFoundError
 from agents.messages import MessageError, TemplateError
 from agents.registry import AgentConflictError, ReadOnlyAgentError, UnknownAgentError
-from agents.service import HistoryConflictError, InvalidRequestError, SessionBusyError, SessionNotFoundError
 from agents.store import AgentGoneError, InvalidSessionIdError, SessionLimitError, StoreError, StoreUnavailableError
 from scheduler.grammar_spec import GrammarBusyError, UnsupportedConstraintError
 from scheduler.request import ContextLengthError, EngineFailedError, QueueFullError

@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agents.service import ChatParams, Generation, Outcome
+from agents.chat_params import ChatParams
+from agents.service import Generation, Outcome
 from agents.spec import AgentSpec
 from agents.tool_calls import CallPiece
 from scheduler.request import FinishEvent, TokenEvent

@@ -21,7 +21,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agents.service import ChatParams, Outcome, SessionCaller
+from agents.chat_params import ChatParams, SessionCaller
+from agents.service import Outcome
 from agents.spec import AgentSpec
 from agents.store import Session
 from agents.tool_calls import CallPiece

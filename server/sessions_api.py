@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from agents.service import SessionNotFoundError
+from agents.errors import SessionNotFoundError
 from agents.spec import AgentSpec
 from server.state import AgentName, SessionId, agent_for, state_of
 

@@ -1,7 +1,7 @@
 """Start-up progress as a person wants to see it: on a terminal one live line per stage with a bar, in logs
 one line per stage with its duration, and for `/ready` the stage and how far it has got.
 
-The runtime builder reports ``progress(stage, done, total, detail)`` (`agents.service.Progress`): a stage
+The runtime builder reports ``progress(stage, done, total, detail)`` (`agents.runtime.Progress`): a stage
 begins when its name first appears and ends when the next one begins (or `finish` is called).
 """
 

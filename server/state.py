@@ -12,7 +12,8 @@ from typing import Annotated
 from fastapi import Path, Request
 
 from agents.registry import AgentRegistry
-from agents.service import ChatService, Generation, Runtime
+from agents.runtime import Runtime
+from agents.service import ChatService, Generation
 from agents.spec import AgentSpec
 from agents.store import Store
 from server.auth import Auth

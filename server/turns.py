@@ -19,7 +19,8 @@ from typing import Any
 
 from fastapi import Request
 
-from agents.service import ChatParams, ChatService, Generation, Outcome
+from agents.chat_params import ChatParams
+from agents.service import ChatService, Generation, Outcome
 from agents.spec import AgentSpec
 from agents.store import AgentGoneError, Session, SessionLimitError, StoreUnavailableError
 from agents.tool_calls import CallPiece

@@ -306,7 +306,8 @@ def test_authorize(keys, given, auth_enabled, allowed):
 
 def test_agents_package_imports_neither_fastapi_nor_jax():
     code = (
-        "import sys, agents.chat_template, agents.registry, agents.store.redis_store, agents.store; "
+        "import sys, agents.chat_template, agents.registry, agents.store.redis_store, agents.store, agents.errors, "
+        "agents.chat_params, agents.history, agents.store.lease; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'jax', 'jaxlib'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

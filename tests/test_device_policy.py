@@ -160,7 +160,7 @@ def test_server_config_and_cli_take_the_kv_dtype():
 
 
 def test_every_default_is_stated_once_and_the_documented_yaml_matches_it():
-    from agents.service import RuntimeOptions
+    from agents.runtime import RuntimeOptions
     from core.engine import EngineConfig
     from scheduler.grammar import GrammarCompiler
     from scheduler.kv_manager import CacheConfig

@@ -17,7 +17,8 @@ import pytest
 from pydantic import BaseModel, Field
 from test_server_helpers import LiveServer, server_config, tiny_runtime, wait_until
 
-from agents.service import ChatParams, ChatService
+from agents.chat_params import ChatParams
+from agents.service import ChatService
 from agents.spec import AgentSpec
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.request import FinishReason

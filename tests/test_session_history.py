@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents.service import HistoryConflictError, merge_history
+from agents.errors import HistoryConflictError
+from agents.history import merge_history
 
 SYSTEM = {"role": "system", "content": "You plan trips."}
 U1 = {"role": "user", "content": "Paris?"}

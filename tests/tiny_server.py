@@ -35,7 +35,7 @@ def main() -> None:
     import uvicorn
     from test_server_helpers import build_tiny_runtime, server_config
 
-    from agents.service import LEASE_S
+    from agents.store.lease import LEASE_S
     from server.app import create_app
 
     parser = argparse.ArgumentParser()
