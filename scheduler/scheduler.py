@@ -3,24 +3,27 @@
 One thread owns the engine. Each iteration takes new submissions, drops cancelled requests, and then runs
 the algorithm in three visible parts:
 
-- plan (`_schedule`): waiting requests are admitted into free slots, fair across request groups, with their cached
-  prefixes (`KVCacheManager`: own slot, another slot, the host tier, or a wait for an in-flight prefill);
-  at most `prefill_budget` tokens of prefill are planned (so a long prompt delays running streams by one
-  chunk at most); then one batched decode step, or a speculative verify step, for the decoding streams;
+- plan (`scheduler.planner`): waiting requests (`scheduler.admission`, fair across request groups) are
+  admitted into free slots with their cached prefixes (`KVCacheManager`: own slot, another slot, the host
+  tier, or a wait for an in-flight prefill); at most `prefill_budget` tokens of prefill are planned (so a long
+  prompt delays running streams by one chunk at most); then one batched decode step, or a speculative verify
+  step, for the decoding streams;
 - execute (`scheduler.executor.execute`): the one place the engine is called;
-- update (`_update`): computed tokens are appended to their slots, generated tokens are delivered, and
-  finished sequences free their slots.
+- update (`_update`): computed tokens are appended to their slots, each generated token goes through
+  `scheduler.output` (grammar, detokenizer, stop strings: go on or finish), and finished sequences free their
+  slots.
 
-Events are handed to each request's handle once per iteration.
+This module owns the loop: the engine thread, the inbox of submissions, and delivery (events are handed to
+each request's handle once per iteration).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import random
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,42 +33,30 @@ import numpy as np
 from core.dry import BreakerTables, RepeatLimit
 from core.engine import Engine, SampleResult
 from core.tokenizer import Tokenizer
+from scheduler.admission import Admission
 from scheduler.budget_close import BudgetClose
 from scheduler.executor import execute
 from scheduler.host_tier import HostTier
 from scheduler.kv_manager import CacheConfig, KVCacheManager
-from scheduler.plan import PrefillChunk, StepOutcome, StepPlan, StepRow
+from scheduler.output import accept, finish_event
+from scheduler.plan import StepOutcome, StepPlan, StepRow
+from scheduler.planner import Planner, StepTimes
 from scheduler.request import (
     EngineFailedError,
     Event,
-    FinishEvent,
     FinishReason,
     GenerationRequest,
     QueueFullError,
     RequestHandle,
-    TokenEvent,
-    Usage,
     generation_room,
 )
 from scheduler.sequence import SeqState, Sequence
 from scheduler.slots import Slot
 from scheduler.snapshot import SchedulerSnapshot, SnapshotPublisher
-from scheduler.speculation import speculation_allowed
 from scheduler.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
-ROWS_VERIFY_COST_PRIOR = 1.5
 MASK_FILLS_KEPT = 4096  # grammar-mask fill timings kept for /metrics (a few minutes of constrained decoding)
-ROW_PREFILL_CHUNKS = 4  # prefills with at most this many smallest chunks left advance in the batched call
-# A piece is padded up to the chunk size covering it only while the padding is at most this share of it:
-# padded positions cost full compute on CPU, so a larger waste is better split into smaller chunks.
-MAX_PADDING_SHARE = 0.25
-# The batched prefill costs about a full row of every slot, so it runs only when this share of the slots
-# (and at least 2 prefills) would use it.
-MIN_ROW_PREFILL_SHARE = 0.5
-# Step times are smoothed (exponential moving average, this weight on the newest) so one slow step (a GC
-# pause, a compile after start-up) does not flip the speculation decision.
-STEP_TIME_SMOOTHING = 0.2
 IDLE_POLL_S = 0.05  # how long an idle engine loop blocks on its inbox before checking for a stop
 
 
@@ -116,25 +107,21 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.config = config or SchedulerConfig()
         self.stop_ids = stop_ids if stop_ids is not None else frozenset(tokenizer.stop_ids)
-        self.prefill_budget = self.config.prefill_budget or max(engine.config.chunk_sizes)
         self.kv = KVCacheManager(engine.num_slots, CacheConfig(
             prefix_caching=self.config.prefix_caching, host_tier_bytes=self.config.host_tier_bytes,
             min_snapshot_tokens=self.config.min_snapshot_tokens, min_wait_tokens=self.config.min_wait_tokens))
+        self.admission = Admission(self.config.max_waiting)
+        self.times = StepTimes()
+        self.planner = Planner(engine, self.kv, self.admission,
+                               self.config.prefill_budget or max(engine.config.chunk_sizes),
+                               self.config.speculative, self.times)
         self.stats = SchedulerStats()
         self.iteration = 0
         self._inbox: queue.Queue[Sequence] = queue.Queue()
-        self._waiting: dict[str, deque[Sequence]] = {}
-        self._pass: dict[str, float] = {}  # stride scheduling across groups
-        self._prefilling: deque[Sequence] = deque()
         self._outbox: dict[RequestHandle, list[Event]] = {}
-        self._lock = threading.Lock()
-        self._waiting_count = 0
-        self._next_id = 0
+        self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        # Wall seconds of recent decode steps and batched verify steps (moving averages), for the choice
-        # between them; None until measured.
-        self._step_seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
         # The latest batched grammar-mask fills, (seconds, constrained rows): read by /metrics.
         self.mask_fills: deque[tuple[float, int]] = deque(maxlen=MASK_FILLS_KEPT)
         self.failure: str | None = None  # why the engine loop died, once it has
@@ -161,6 +148,10 @@ class Scheduler:
         """Every counter: the scheduler's and the KV-cache manager's reuse counts."""
         return {**self.stats.as_dict(), **asdict(self.kv.stats)}
 
+    def counter_values(self) -> dict[str, int]:
+        """`counters()` without dataclasses.asdict's deep copy (the snapshot takes it a few times a second)."""
+        return {**vars(self.stats), **vars(self.kv.stats)}
+
     # ---- caller side (any thread) ----------------------------------------------------------
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
         if self.failure is not None:
@@ -170,16 +161,14 @@ class Scheduler:
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         handle = RequestHandle(request, loop)
-        with self._lock:
-            if self._waiting_count >= self.config.max_waiting:
-                self.stats.rejected_queue_full += 1
-                raise QueueFullError(f"{self._waiting_count} requests are already waiting; try again later")
-            self._waiting_count += 1
-            seq_id = self._next_id
-            self._next_id += 1
+        try:
+            self.admission.reserve()
+        except QueueFullError:
+            self.stats.rejected_queue_full += 1
+            raise
         seed = request.sampling.seed
         seq = Sequence(
-            id=seq_id, request=request, handle=handle,
+            id=next(self._ids), request=request, handle=handle,
             detokenizer=self.tokenizer.detokenizer(skip_special=True),
             stop_matcher=StopMatcher(request.stop) if request.stop else None,
             max_tokens=request.max_tokens,
@@ -217,11 +206,19 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return self._waiting_count
+        return self.admission.waiting
 
     @property
     def prefilling(self) -> int:
-        return len(self._prefilling)
+        return len(self.planner.prefilling)
+
+    @property
+    def step_seconds(self) -> dict[str, float | None]:
+        """The smoothed wall time of decode steps and batched verify steps (None until one ran)."""
+        return self.times.seconds
+
+    def waiting_by_group(self) -> dict[str, int]:
+        return self.admission.counts()
 
     @property
     def running(self) -> int:
@@ -233,7 +230,7 @@ class Scheduler:
             while not self._stopping.is_set():
                 if not self._has_work():
                     try:
-                        self._inbox_to_waiting(self._inbox.get(timeout=IDLE_POLL_S))
+                        self.admission.add(self._inbox.get(timeout=IDLE_POLL_S))
                     except queue.Empty:
                         self.snapshots.when_idle(self)
                         continue
@@ -247,7 +244,7 @@ class Scheduler:
             self.on_failure(self.failure)
 
     def _has_work(self) -> bool:
-        return bool(self._waiting_count or self.running or not self._inbox.empty())
+        return bool(self.admission.waiting or self.running or not self._inbox.empty())
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
         """Drive the loop on the calling thread until nothing is left (tests, offline use)."""
@@ -261,7 +258,9 @@ class Scheduler:
         """One iteration: plan, execute on the engine, update, deliver events."""
         self._drain_inbox()
         self._reap_cancelled()
-        plan = self._schedule()
+        plan = self.planner.plan()
+        self.stats.requests_admitted += len(plan.admitted)
+        self.stats.prompt_tokens += sum(len(seq.prompt) for seq in plan.admitted)
         outcome = execute(self.engine, self.kv.host, plan)
         self._update(plan, outcome)
         self.stats.iterations += 1
@@ -277,157 +276,16 @@ class Scheduler:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                self._inbox_to_waiting(self._inbox.get_nowait())
+                self.admission.add(self._inbox.get_nowait())
             except queue.Empty:
                 return
 
-    def _inbox_to_waiting(self, seq: Sequence) -> None:
-        group = seq.group
-        if group not in self._waiting or not self._waiting[group]:
-            # A newly active group joins at the current minimum pass, not at zero (no banked credit).
-            active = [self._pass[g] for g, q in self._waiting.items() if q]
-            self._pass[group] = max(self._pass.get(group, 0.0), min(active, default=0.0))
-        self._waiting.setdefault(group, deque()).append(seq)
-
     def _reap_cancelled(self) -> None:
-        for q in self._waiting.values():
-            for seq in [s for s in q if s.handle.cancelled.is_set()]:
-                q.remove(seq)
-                with self._lock:
-                    self._waiting_count -= 1
-                self._finish(seq, FinishReason.CANCELLED)
+        for seq in self.admission.take_cancelled():
+            self._finish(seq, FinishReason.CANCELLED)
         for slot in self.slots:
             if slot.sequence is not None and slot.sequence.handle.cancelled.is_set():
                 self._finish(slot.sequence, FinishReason.CANCELLED)
-
-    # ---- plan --------------------------------------------------------------------------------
-    def _schedule(self) -> StepPlan:
-        plan = StepPlan()
-        for seq in self._prefilling:
-            if seq.awaiting is not None:
-                self.kv.resolve(seq, plan.cache_ops)
-        while self.kv.has_free_slot():
-            seq = self._pick_next()
-            if seq is None:
-                break
-            self.kv.place(seq, plan.cache_ops)
-            seq.admitted_at = time.perf_counter()
-            plan.admitted.append(seq)
-            self._prefilling.append(seq)
-            self.stats.requests_admitted += 1
-            self.stats.prompt_tokens += len(seq.prompt)
-        self._plan_prefill(plan)
-        self._plan_decode(plan)
-        return plan
-
-    def _pick_next(self) -> Sequence | None:
-        """Stride scheduling: the group with the smallest pass goes next; its pass grows by 1/priority."""
-        candidates = [g for g, q in self._waiting.items() if q]
-        if not candidates:
-            return None
-        group = min(candidates, key=lambda g: (self._pass[g], g))
-        seq = self._waiting[group].popleft()
-        self._pass[group] += 1.0 / seq.request.priority
-        with self._lock:
-            self._waiting_count -= 1
-        return seq
-
-    def _plan_prefill(self, plan: StepPlan) -> None:
-        """Prefill chunks within the budget, the least remaining work first (a turn after a cache hit, or a
-        request that waited for a shared prefix, is not queued behind a long new prompt); a chunk ends at a
-        message boundary when that adds no padded call. One padded call for a whole piece when that wastes
-        little (padding costs full compute on CPU), else the largest full chunk; a tail shorter than the
-        smallest chunk runs padded in it."""
-        budget = self._plan_rows(plan, self.prefill_budget)
-        sizes = self.engine.config.chunk_sizes
-        in_rows = {chunk.seq.id for chunk in plan.rows}
-        ready = [seq for seq in self._prefilling if seq.awaiting is None and seq.id not in in_rows]
-        for seq in sorted(ready, key=lambda s: len(s.prompt) - s.cursor):
-            cursor = seq.cursor
-            while budget > 0 and cursor < len(seq.prompt):
-                piece = min(seq.next_boundary(cursor, sizes[0]) - cursor, sizes[-1])
-                covering = next(size for size in sizes if size >= piece)
-                fitting = [size for size in sizes if size <= min(piece, budget)]
-                if covering <= budget and (not fitting or covering - piece <= piece * MAX_PADDING_SHARE):
-                    n, cost = piece, covering
-                elif fitting:
-                    n = cost = fitting[-1]
-                else:
-                    return
-                plan.chunks.append(PrefillChunk(seq, cursor, np.asarray(seq.prompt[cursor:cursor + n], np.int32)))
-                budget -= cost
-                cursor += n
-            if budget <= 0:
-                return
-
-    def _plan_rows(self, plan: StepPlan, budget: int) -> int:
-        """Advance many short prefills (at most a few smallest chunks left, e.g. chat turns after a prefix-cache
-        hit) together: one batched call takes up to one smallest chunk of each, and samples the first tokens
-        of those it completes. The call costs about S x chunk tokens whatever the count, so it runs only when
-        at least half the slots would use it."""
-        width, rows = self.engine.row_chunk, self.engine.num_slots
-        short = [seq for seq in self._prefilling
-                 if seq.awaiting is None and len(seq.prompt) - seq.cursor <= ROW_PREFILL_CHUNKS * width]
-        if len(short) < max(2, rows * MIN_ROW_PREFILL_SHARE):
-            return budget
-        ends = [min(len(seq.prompt), seq.cursor + width) - 1 for seq in short]
-        if not self.engine.compiled_for("prefill_rows", ends):  # still compiling after start-up
-            return budget
-        plan.rows = [PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:seq.cursor + width], np.int32))
-                     for seq in short]
-        return max(0, budget - width * rows)  # may exceed a small budget: it replaces that many separate calls
-
-    def _plan_decode(self, plan: StepPlan) -> None:
-        running = [slot.sequence for slot in self.slots
-                   if slot.sequence is not None and slot.sequence.state is SeqState.DECODING]
-        if not running:
-            return
-        if len(running) == 1:
-            plan.verify = self._speculate(running[0])
-        else:
-            plan.verify_rows = self._speculate_rows(running)
-        if plan.verify is None and not plan.verify_rows:
-            plan.decode = [StepRow(seq, [seq.generated[-1]], self.kv.held(seq)) for seq in running]
-
-    def _may_speculate(self, seq: Sequence) -> bool:
-        request = seq.request
-        return self.config.speculative and speculation_allowed(request.sampling, request.constraint is not None,
-                                                               request.want_logprobs)
-
-    def _speculate(self, seq: Sequence) -> StepRow | None:
-        """A verify step for a lone eligible stream, if the context suggests a draft; None: decode as usual."""
-        if self.engine.config.verify_tokens < 2 or not self._may_speculate(seq):
-            return None
-        start = self.kv.held(seq)
-        if not self.engine.compiled_for("verify", [start]):  # still compiling after start-up
-            return None
-        # verify_room keeps the chunk inside one attention bucket (so also within max_len)
-        room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1)
-        draft = seq.draft(room)
-        return StepRow(seq, [seq.generated[-1], *draft], start) if draft else None
-
-    def _speculate_rows(self, running: list[Sequence]) -> list[StepRow]:
-        """A batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
-        when the drafts' expected accepted tokens per second beat a decode step's; []: decode as usual."""
-        if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
-            return []
-        starts = [self.kv.held(seq) for seq in running]
-        if not self.engine.compiled_for("verify_rows", starts):  # still compiling after start-up
-            return []
-        drafts = [seq.draft(min(room, seq.max_tokens - len(seq.generated)) - 1)
-                  for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
-        expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
-                       for seq, draft in zip(running, drafts, strict=True))
-        if expected <= len(running) * self._rows_verify_cost():
-            return []
-        return [StepRow(seq, [seq.generated[-1], *draft], start)
-                for seq, draft, start in zip(running, drafts, starts, strict=True)]
-
-    def _rows_verify_cost(self) -> float:
-        """A batched verify step's time over a decode step's: measured once both ran, else a prior (about 1.5
-        on a 2-core CPU at 8 slots x 3 tokens)."""
-        decode, verify = self._step_seconds["decode"], self._step_seconds["verify_rows"]
-        return verify / decode if decode and verify else ROWS_VERIFY_COST_PRIOR
 
     # ---- update ------------------------------------------------------------------------------
     def _update(self, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -441,7 +299,7 @@ class Scheduler:
             seq.cursor = chunk.end
             self.stats.prefill_tokens += len(chunk.tokens)
             if chunk.last:
-                self._prefilling.remove(seq)
+                self.planner.prefilling.remove(seq)
                 seq.state = SeqState.DECODING
                 self.stats.cached_tokens += seq.cached_tokens
                 self.stats.cache_hit_requests += seq.cached_tokens > 0
@@ -449,9 +307,7 @@ class Scheduler:
                 self._accept(seq, result, row)
         self.mask_fills.extend(outcome.mask_fills)
         for kind, seconds in outcome.seconds.items():
-            last = self._step_seconds[kind]
-            self._step_seconds[kind] = seconds if last is None else (
-                (1 - STEP_TIME_SMOOTHING) * last + STEP_TIME_SMOOTHING * seconds)
+            self.times.record(kind, seconds)
         if plan.decode:
             self.stats.decode_steps += 1
             for row in plan.decode:
@@ -482,83 +338,32 @@ class Scheduler:
                 break
 
     def _accept(self, seq: Sequence, result: SampleResult, row: int) -> None:
-        token = int(result.tokens[row])
-        if token < 0:
-            self._finish(seq, FinishReason.ERROR, "no token is allowed here (constraint dead end)")
-            return
-        seq.generated.append(token)
-        if seq.dry is not None:
-            seq.dry.push(token)
-        if seq.first_token_at is None:
-            seq.first_token_at = time.perf_counter()
-        constraint = seq.request.constraint
-        if constraint is not None and token not in self.stop_ids:
-            if not constraint.consume(token):
-                # The mask allowed it, so this means the grammar and the mask disagree: never pass it on.
-                self._finish(seq, FinishReason.ERROR, f"grammar rejected token {token}: {constraint.error}")
-                return
-            if constraint.keys is not None:
-                constraint.keys.feed_token(token)
-        if token in self.stop_ids and not seq.request.ignore_eos:
-            self._finish(seq, FinishReason.STOP)
-            return
-        text = seq.detokenizer.push(token)
-        stopped = False
-        if seq.stop_matcher is not None:
-            text, stopped = seq.stop_matcher.push(text)
-        event = TokenEvent(token_id=token, text=text, iteration=self.iteration)
-        if seq.request.sampling.logprobs or seq.request.want_logprobs:
-            event.logprob = float(result.logprobs[row])
-            top = seq.request.sampling.logprobs
-            event.top_logprobs = [(int(i), float(lp)) for i, lp in
-                                  zip(result.top_ids[row][:top], result.top_logprobs[row][:top], strict=True)]
-        self._emit(seq, event)
-        if stopped or (constraint is not None and constraint.is_finished()):
-            self._finish(seq, FinishReason.STOP)
-        elif len(seq.generated) >= seq.max_tokens or self.kv.held(seq) >= self.engine.max_len:
-            self._finish(seq, FinishReason.LENGTH)
+        verdict = accept(seq, result, row, self.stop_ids, self.iteration,
+                         slot_full=self.kv.held(seq) >= self.engine.max_len)
+        if verdict.event is not None:
+            self._emit(seq, verdict.event)
+        if verdict.finish is not None:
+            self._finish(seq, verdict.finish, verdict.error)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        tail = ""
-        if reason in (FinishReason.STOP, FinishReason.LENGTH) and not (seq.stop_matcher and seq.stop_matcher.stopped):
-            tail = seq.detokenizer.flush()
-            if seq.stop_matcher is not None:
-                tail, stopped = seq.stop_matcher.push(tail)
-                tail += "" if stopped else seq.stop_matcher.flush()
-                reason = FinishReason.STOP if stopped else reason
-        now = time.perf_counter()
-        timings = {"total_s": now - seq.arrival}
-        if seq.admitted_at is not None:
-            timings["queue_s"] = seq.admitted_at - seq.arrival
-        if seq.first_token_at is not None:
-            timings["ttft_s"] = seq.first_token_at - seq.arrival
-            if len(seq.generated) > 1:
-                timings["decode_tokens_per_s"] = (len(seq.generated) - 1) / max(now - seq.first_token_at, 1e-9)
-        usage = Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
-                      completion_tokens=len(seq.generated))
-        matched = seq.stop_matcher.matched if seq.stop_matcher is not None else None
-        closed = seq.budget is not None and seq.budget.closing and reason is FinishReason.STOP
-        self.stats.budget_closed += closed
-        self._emit(seq, FinishEvent(reason=reason, usage=usage, text=tail, error=error, timings=timings,
-                                    stop_sequence=matched, budget_closed=closed))
+        event = finish_event(seq, reason, error)
+        self.stats.budget_closed += event.budget_closed
+        self._emit(seq, event)
         if seq.slot is not None:
             self.kv.release(seq)
-            if seq in self._prefilling:
-                self._prefilling.remove(seq)
+            if seq in self.planner.prefilling:
+                self.planner.prefilling.remove(seq)
         seq.state = SeqState.FINISHED
         self.stats.requests_finished += 1
-        self.stats.cancelled += reason is FinishReason.CANCELLED
+        self.stats.cancelled += event.reason is FinishReason.CANCELLED
 
     def _shutdown(self) -> None:
         """Engine thread exit: end every stream with a finish event (an error one if the loop died)."""
         reason, why = ((FinishReason.ERROR, f"the engine loop died ({self.failure})") if self.failure is not None
                        else (FinishReason.CANCELLED, "server shutting down"))
         self._drain_inbox()
-        for q in self._waiting.values():
-            while q:
-                with self._lock:
-                    self._waiting_count -= 1
-                self._finish(q.popleft(), reason, why)
+        for seq in self.admission.drain():
+            self._finish(seq, reason, why)
         for slot in self.slots:
             if slot.sequence is not None:
                 self._finish(slot.sequence, reason, why)

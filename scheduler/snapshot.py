@@ -13,17 +13,38 @@ import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.sequence import SeqState
 
 if TYPE_CHECKING:
+    from scheduler.host_tier import HostTier
     from scheduler.plan import StepPlan
-    from scheduler.scheduler import Scheduler
+    from scheduler.slots import Slot
 
 SNAPSHOT_INTERVAL_S = 0.25  # the engine publishes at most this often (4 per second)
 HISTORY_S = 60.0  # cumulative prompt / cached token counts kept this long, for the last minute's hit ratio
 HISTORY_EVERY_S = 1.0  # one history point per this many seconds at most
+
+
+class SnapshotSource(Protocol):
+    """What a snapshot reads (the scheduler provides it): the slots, the waiting queues' sizes, the counters,
+    the host tier and the step times."""
+
+    iteration: int
+
+    @property
+    def slots(self) -> list[Slot]: ...
+
+    @property
+    def host(self) -> HostTier: ...
+
+    @property
+    def step_seconds(self) -> dict[str, float | None]: ...
+
+    def waiting_by_group(self) -> dict[str, int]: ...
+
+    def counter_values(self) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True)
@@ -65,8 +86,10 @@ class SchedulerSnapshot:
         return asdict(self)
 
 
-def take_snapshot(sched: Scheduler, plan: StepPlan | None, history: tuple = ()) -> SchedulerSnapshot:
-    """Build a snapshot on the engine thread (the only thread that may read slots and sequences)."""
+def take_snapshot(sched: SnapshotSource, plan: StepPlan | None, history: tuple = (),
+                  counters: dict[str, int] | None = None) -> SchedulerSnapshot:
+    """Build a snapshot on the engine thread (the only thread that may read slots and sequences);
+    ``counters``: `counter_values()` when the caller already took them."""
     verifying: set[int] = set()
     if plan is not None:
         if plan.verify is not None:
@@ -90,12 +113,11 @@ def take_snapshot(sched: Scheduler, plan: StepPlan | None, history: tuple = ()) 
             prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
             computed_tokens=max(0, seq.cursor - seq.cached_tokens), prefill_done=seq.cursor, generated=n,
             max_tokens=seq.max_tokens, tokens_per_s=round(rate, 2), running_s=round(now - seq.arrival, 3)))
-    waiting = {group: len(q) for group, q in sched._waiting.items() if q}
-    steps = sched._step_seconds
+    steps = sched.step_seconds
     return SchedulerSnapshot(
-        taken_at=time.time(), iteration=sched.iteration, slots=tuple(views), waiting=waiting,
-        counters={**vars(sched.stats), **vars(sched.kv.stats)},  # = Scheduler.counters(), without asdict's cost
-        host=sched.host.stats(), decode_step_s=steps.get("decode"),
+        taken_at=time.time(), iteration=sched.iteration, slots=tuple(views), waiting=sched.waiting_by_group(),
+        counters=counters if counters is not None else sched.counter_values(), host=sched.host.stats(),
+        decode_step_s=steps.get("decode"),
         verify_rows_step_s=steps.get("verify_rows"), history=history)
 
 
@@ -111,7 +133,7 @@ class SnapshotPublisher:
         self._stale = True
         self._history: deque[tuple[float, int, int]] = deque(maxlen=int(HISTORY_S / HISTORY_EVERY_S) + 2)
 
-    def after_step(self, sched: Scheduler, plan: StepPlan | None) -> None:
+    def after_step(self, sched: SnapshotSource, plan: StepPlan | None) -> None:
         if self.interval_s is None:
             return
         if time.monotonic() - self._at >= self.interval_s:
@@ -119,19 +141,19 @@ class SnapshotPublisher:
         else:
             self._stale = True
 
-    def when_idle(self, sched: Scheduler) -> None:
+    def when_idle(self, sched: SnapshotSource) -> None:
         """The loop found nothing to do: publish the final state of the last iteration if not yet published."""
         if self._stale and self.interval_s is not None:
             self.publish(sched, None)
 
-    def publish(self, sched: Scheduler, plan: StepPlan | None) -> None:
+    def publish(self, sched: SnapshotSource, plan: StepPlan | None) -> None:
         self._at = time.monotonic()
         self._stale = False
-        stats = sched.stats
+        counters = sched.counter_values()
         wall = time.time()
         if not self._history or wall - self._history[-1][0] >= HISTORY_EVERY_S:
-            self._history.append((wall, stats.prompt_tokens, stats.cached_tokens))
+            self._history.append((wall, counters["prompt_tokens"], counters["cached_tokens"]))
         while self._history and wall - self._history[0][0] > HISTORY_S + HISTORY_EVERY_S:
             self._history.popleft()
-        self.latest = take_snapshot(sched, plan, tuple(self._history))
+        self.latest = take_snapshot(sched, plan, tuple(self._history), counters)
         self.published += 1

@@ -62,10 +62,10 @@ def test_snapshot_states_agents_sessions_and_progress():
              Slot(3, list(range(7)), ("gamma", None), "gamma:old", group="gamma", label="old")]
     host = SimpleNamespace(stats=lambda: {"hits": 2, "evictions": 0, "stored_positions": 9, "bytes_used": 1024,
                                           "nodes": 1, "budget_bytes": 4096})
-    waiting = {"alpha": [object(), object()], "beta": []}
-    sched = SimpleNamespace(slots=slots, host=host, _waiting=waiting, _step_seconds={"decode": 0.01},
-                            iteration=7, stats=SimpleNamespace(prompt_tokens=80, cached_tokens=16),
-                            kv=SimpleNamespace(stats=SimpleNamespace(host_restores=1)))
+    # The narrow view a snapshot reads (snapshot.SnapshotSource), not a scheduler.
+    sched = SimpleNamespace(slots=slots, host=host, step_seconds={"decode": 0.01}, iteration=7,
+                            waiting_by_group=lambda: {"alpha": 2},
+                            counter_values=lambda: {"prompt_tokens": 80, "cached_tokens": 16, "host_restores": 1})
     plan = StepPlan(verify=StepRow(verifying, [9, 1, 2], 41))
     snap = take_snapshot(sched, plan)
     views = {v.index: v for v in snap.slots}

@@ -191,18 +191,18 @@ def test_a_scheduler_plan_computes_a_shared_new_system_prompt_once():
                       config=SchedulerConfig(prefill_budget=16), stop_ids=frozenset())
     handles = [sched.submit(GenerationRequest(prompt_ids=SYSTEM + (i,), affinity=f"s{i}")) for i in range(4)]
     sched._drain_inbox()
-    plan = sched._schedule()
+    plan = sched.planner.plan()
     first = handles[0]
     assert {chunk.seq.request.affinity for chunk in plan.chunks} == {"s0"} and not plan.rows
-    waiting = [s for s in sched._prefilling if s.awaiting is not None]
+    waiting = [s for s in sched.planner.prefilling if s.awaiting is not None]
     assert len(waiting) == 3 and all(s.awaited == len(SYSTEM) for s in waiting)
     assert plan.cache_ops == []
     assert first.request.prompt_ids == SYSTEM + (0,)
     # Pretend the donor's prefill ran through the system prompt (what the update step records).
-    donor = next(s for s in sched._prefilling if s.awaiting is None)
+    donor = next(s for s in sched.planner.prefilling if s.awaiting is None)
     sched.kv.extend(donor.slot, list(SYSTEM))
     donor.cursor = len(SYSTEM)
-    plan = sched._schedule()
+    plan = sched.planner.plan()
     copies = [op for op in plan.cache_ops if isinstance(op, CopyPrefix)]
     assert sorted(op.dst for op in copies) == sorted(s.slot for s in waiting)
     assert all(op.src == donor.slot and op.n == len(SYSTEM) for op in copies)

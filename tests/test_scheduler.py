@@ -324,8 +324,8 @@ def test_batched_verify_is_skipped_when_it_costs_more_than_its_drafts_gain(exact
     reqs = [request(ids(60 + i, 6 + i) * 4, max_tokens=12) for i in range(3)]
     plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
     sched = make(exact_engine, tokenizer, prefix_caching=False)
-    sched._step_seconds = {"decode": 0.01, "verify_rows": 0.5}  # as if both had been measured
-    assert sched._rows_verify_cost() == 50
+    sched.times.seconds = {"decode": 0.01, "verify_rows": 0.5}  # as if both had been measured
+    assert sched.times.rows_verify_cost() == 50
     got = run_all(sched, reqs)
     assert [g[0] for g in got] == [p[0] for p in plain]
     assert sched.stats.batched_speculative_steps == 0  # (a stream left alone may still verify on its own)

@@ -855,8 +855,8 @@ def test_300_requests_at_once_get_only_200_or_429_with_retry_after(runtime):
     sched = runtime.scheduler
     app = create_app(server_config(), runtime=runtime)
     with LiveServer(app) as srv:
-        old = sched.config
-        sched.config = type(old)(**{**old.__dict__, "max_waiting": 16})
+        old = sched.admission.limit
+        sched.admission.limit = 16
         try:
             async def flood():
                 limits = httpx.Limits(max_connections=300)
@@ -867,7 +867,7 @@ def test_300_requests_at_once_get_only_200_or_429_with_retry_after(runtime):
 
             replies = asyncio.run(flood())
         finally:
-            sched.config = old
+            sched.admission.limit = old
     codes = [r.status_code for r in replies]
     assert set(codes) <= {200, 429} and codes.count(200) >= 16 and codes.count(429) > 0
     assert all(r.headers.get("retry-after") for r in replies if r.status_code == 429)

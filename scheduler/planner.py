@@ -1,0 +1,178 @@
+"""The plan of one scheduler iteration (`StepPlan`): which waiting requests are admitted into free slots (with
+their cached prefixes, `KVCacheManager`), which prefill chunks run within the prefill budget, and whether the
+decoding streams take a decode step or a speculative verify step. It reads the engine's shapes (chunk sizes,
+slots, which programs are compiled) and calls nothing on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from scheduler.plan import PrefillChunk, StepPlan, StepRow
+from scheduler.sequence import SeqState, Sequence
+from scheduler.speculation import speculation_allowed
+
+if TYPE_CHECKING:
+    from core.engine import Engine
+    from scheduler.admission import Admission
+    from scheduler.kv_manager import KVCacheManager
+
+__all__ = ["Planner", "StepTimes"]
+
+ROWS_VERIFY_COST_PRIOR = 1.5
+ROW_PREFILL_CHUNKS = 4  # prefills with at most this many smallest chunks left advance in the batched call
+# A piece is padded up to the chunk size covering it only while the padding is at most this share of it:
+# padded positions cost full compute on CPU, so a larger waste is better split into smaller chunks.
+MAX_PADDING_SHARE = 0.25
+# The batched prefill costs about a full row of every slot, so it runs only when this share of the slots
+# (and at least 2 prefills) would use it.
+MIN_ROW_PREFILL_SHARE = 0.5
+# Step times are smoothed (exponential moving average, this weight on the newest) so one slow step (a GC
+# pause, a compile after start-up) does not flip the speculation decision.
+STEP_TIME_SMOOTHING = 0.2
+
+
+class StepTimes:
+    """Wall seconds of recent decode steps and batched verify steps (moving averages), for the choice between
+    them; None until measured."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
+
+    def record(self, kind: str, seconds: float) -> None:
+        last = self.seconds[kind]
+        self.seconds[kind] = seconds if last is None else (
+            (1 - STEP_TIME_SMOOTHING) * last + STEP_TIME_SMOOTHING * seconds)
+
+    def rows_verify_cost(self) -> float:
+        """A batched verify step's time over a decode step's: measured once both ran, else a prior (about 1.5
+        on a 2-core CPU at 8 slots x 3 tokens)."""
+        decode, verify = self.seconds["decode"], self.seconds["verify_rows"]
+        return verify / decode if decode and verify else ROWS_VERIFY_COST_PRIOR
+
+
+class Planner:
+    """Builds each iteration's `StepPlan`. ``prefilling`` holds the admitted sequences whose prompts are not
+    all computed yet (the scheduler's update step removes those that finish)."""
+
+    def __init__(self, engine: Engine, kv: KVCacheManager, admission: Admission, prefill_budget: int,
+                 speculative: bool, times: StepTimes) -> None:
+        self.engine = engine
+        self.kv = kv
+        self.admission = admission
+        self.prefill_budget = prefill_budget
+        self.speculative = speculative
+        self.times = times
+        self.prefilling: deque[Sequence] = deque()
+
+    def plan(self) -> StepPlan:
+        plan = StepPlan()
+        for seq in self.prefilling:
+            if seq.awaiting is not None:
+                self.kv.resolve(seq, plan.cache_ops)
+        while self.kv.has_free_slot():
+            seq = self.admission.pick()
+            if seq is None:
+                break
+            self.kv.place(seq, plan.cache_ops)
+            seq.admitted_at = time.perf_counter()
+            plan.admitted.append(seq)
+            self.prefilling.append(seq)
+        self._plan_prefill(plan)
+        self._plan_decode(plan)
+        return plan
+
+    def _plan_prefill(self, plan: StepPlan) -> None:
+        """Prefill chunks within the budget, the least remaining work first (a turn after a cache hit, or a
+        request that waited for a shared prefix, is not queued behind a long new prompt); a chunk ends at a
+        message boundary when that adds no padded call. One padded call for a whole piece when that wastes
+        little (padding costs full compute on CPU), else the largest full chunk; a tail shorter than the
+        smallest chunk runs padded in it."""
+        budget = self._plan_rows(plan, self.prefill_budget)
+        sizes = self.engine.config.chunk_sizes
+        in_rows = {chunk.seq.id for chunk in plan.rows}
+        ready = [seq for seq in self.prefilling if seq.awaiting is None and seq.id not in in_rows]
+        for seq in sorted(ready, key=lambda s: len(s.prompt) - s.cursor):
+            cursor = seq.cursor
+            while budget > 0 and cursor < len(seq.prompt):
+                piece = min(seq.next_boundary(cursor, sizes[0]) - cursor, sizes[-1])
+                covering = next(size for size in sizes if size >= piece)
+                fitting = [size for size in sizes if size <= min(piece, budget)]
+                if covering <= budget and (not fitting or covering - piece <= piece * MAX_PADDING_SHARE):
+                    n, cost = piece, covering
+                elif fitting:
+                    n = cost = fitting[-1]
+                else:
+                    return
+                plan.chunks.append(PrefillChunk(seq, cursor, np.asarray(seq.prompt[cursor:cursor + n], np.int32)))
+                budget -= cost
+                cursor += n
+            if budget <= 0:
+                return
+
+    def _plan_rows(self, plan: StepPlan, budget: int) -> int:
+        """Advance many short prefills (at most a few smallest chunks left, e.g. chat turns after a prefix-cache
+        hit) together: one batched call takes up to one smallest chunk of each, and samples the first tokens
+        of those it completes. The call costs about S x chunk tokens whatever the count, so it runs only when
+        at least half the slots would use it."""
+        width, rows = self.engine.row_chunk, self.engine.num_slots
+        short = [seq for seq in self.prefilling
+                 if seq.awaiting is None and len(seq.prompt) - seq.cursor <= ROW_PREFILL_CHUNKS * width]
+        if len(short) < max(2, rows * MIN_ROW_PREFILL_SHARE):
+            return budget
+        ends = [min(len(seq.prompt), seq.cursor + width) - 1 for seq in short]
+        if not self.engine.compiled_for("prefill_rows", ends):  # still compiling after start-up
+            return budget
+        plan.rows = [PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:seq.cursor + width], np.int32))
+                     for seq in short]
+        return max(0, budget - width * rows)  # may exceed a small budget: it replaces that many separate calls
+
+    def _plan_decode(self, plan: StepPlan) -> None:
+        running = [slot.sequence for slot in self.kv.slots
+                   if slot.sequence is not None and slot.sequence.state is SeqState.DECODING]
+        if not running:
+            return
+        if len(running) == 1:
+            plan.verify = self._speculate(running[0])
+        else:
+            plan.verify_rows = self._speculate_rows(running)
+        if plan.verify is None and not plan.verify_rows:
+            plan.decode = [StepRow(seq, [seq.generated[-1]], self.kv.held(seq)) for seq in running]
+
+    def _may_speculate(self, seq: Sequence) -> bool:
+        request = seq.request
+        return self.speculative and speculation_allowed(request.sampling, request.constraint is not None,
+                                                        request.want_logprobs)
+
+    def _speculate(self, seq: Sequence) -> StepRow | None:
+        """A verify step for a lone eligible stream, if the context suggests a draft; None: decode as usual."""
+        if self.engine.config.verify_tokens < 2 or not self._may_speculate(seq):
+            return None
+        start = self.kv.held(seq)
+        if not self.engine.compiled_for("verify", [start]):  # still compiling after start-up
+            return None
+        # verify_room keeps the chunk inside one attention bucket (so also within max_len)
+        room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1)
+        draft = seq.draft(room)
+        return StepRow(seq, [seq.generated[-1], *draft], start) if draft else None
+
+    def _speculate_rows(self, running: list[Sequence]) -> list[StepRow]:
+        """A batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
+        when the drafts' expected accepted tokens per second beat a decode step's; []: decode as usual."""
+        if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
+            return []
+        starts = [self.kv.held(seq) for seq in running]
+        if not self.engine.compiled_for("verify_rows", starts):  # still compiling after start-up
+            return []
+        drafts = [seq.draft(min(room, seq.max_tokens - len(seq.generated)) - 1)
+                  for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
+        expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
+                       for seq, draft in zip(running, drafts, strict=True))
+        if expected <= len(running) * self.times.rows_verify_cost():
+            return []
+        return [StepRow(seq, [seq.generated[-1], *draft], start)
+                for seq, draft, start in zip(running, drafts, starts, strict=True)]
