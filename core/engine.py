@@ -9,10 +9,7 @@ cache, and every shape is compiled in `warmup()` (`core.programs`), never per re
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -25,7 +22,7 @@ from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
 from core.model import decode_step, prefill_chunk, verify_chunk
 from core.program_store import ProgramStore
-from core.programs import Program, ProgramKey, abstract
+from core.programs import Program, ProgramKey, ProgramTable, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
 from core.weights import all_matmuls_integer
 
@@ -33,9 +30,6 @@ log = logging.getLogger(__name__)
 # Programs that only speed up what other programs also do (a verify step is a few decode steps, a batched
 # prefill several single ones): a background warm-up compiles them after reporting ready.
 OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows")
-# Programs compiled at once during warm-up: tracing holds the GIL while XLA's compiler and the compilation
-# cache's loading do not, so two threads overlap one program's tracing with another's compile or load.
-COMPILE_THREADS = 2
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
 
@@ -131,10 +125,8 @@ class Engine:
         # compute alike bit for bit (core.kv_cache.sliding_view_length).
         model = {"cfg": cfg, "view_width": max(config.verify_tokens, config.rows_verify_width, 1)}
         self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size, history=config.max_len)
-        self.programs: dict[ProgramKey, Program] = self._build_programs(model)
-        self.background_warmup: threading.Thread | None = None
-        self.compile_seconds = 0.0
-        self.warmup_seconds: dict[str, float] = {}  # per program, filled by `warmup` (and its thread)
+        self.programs = ProgramTable(self._build_programs(model), self._example_args, self._first_needed,
+                                     self._background_order)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -238,65 +230,18 @@ class Engine:
 
     def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False,
                meanwhile: Callable[[], None] | None = None) -> float:
-        """Compile every program (never running one: nothing is written), `COMPILE_THREADS` at a time.
-        ``background``: compile the programs the first requests need now and the rest, smallest bucket
-        first, on a daemon thread (`background_warmup`); a call that needs one of those before it is
-        ready waits for it. ``meanwhile``: the caller's own work, run on this thread once the programs are
-        handed to the compile threads (they mostly wait on XLA, outside the GIL). Returns the seconds spent
-        here."""
-        begin = time.perf_counter()
-        keys = list(self.programs)
-        now = [k for k in keys if self._first_needed(k)] if background else keys
-        later = sorted((k for k in keys if k not in now), key=self._background_order)
-        if progress and now:
-            progress(self.programs[now[0]].name, 0, len(now))
-        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="slotserve-compile") as pool:
-            pending = [pool.submit(self._compile, key) for key in now]
-            if meanwhile:
-                meanwhile()
-            for done, future in enumerate(as_completed(pending)):
-                name = future.result()
-                if progress:
-                    progress(name, done + 1, len(now))
-        if progress:
-            progress("ready", len(now), len(now))
-        self.compile_seconds = time.perf_counter() - begin
-        if later:
-            self.background_warmup = threading.Thread(target=self._compile_later, args=(later,),
-                                                      name="slotserve-warmup", daemon=True)
-            self.background_warmup.start()
-        return self.compile_seconds
+        """Compile every step ahead (`ProgramTable.warmup`); seconds spent before returning."""
+        return self.programs.warmup(progress, background, meanwhile)
 
-    def _compile(self, key: ProgramKey) -> str:
-        program = self.programs[key]
-        program.compile(*self._example_args(key))
-        self.warmup_seconds[program.name] = program.compile_seconds or 0.0
-        return program.name
-
-    def _compile_later(self, keys: list[ProgramKey]) -> None:
-        begin = time.perf_counter()
-        try:
-            for key in keys:
-                self._compile(key)
-        except Exception:  # a call needing the program compiles it itself (and reports what fails)
-            log.exception("background compilation stopped")
-            return
-        log.info("compiled %d more programs in the background in %.1f s", len(keys), time.perf_counter() - begin)
+    @property
+    def compile_seconds(self) -> float:
+        return self.programs.compile_seconds
 
     def compiled_for(self, kind: str, positions: list[int] | np.ndarray) -> bool:
         """Whether the ``kind`` program (one of OPTIONAL_KINDS) covering these positions is compiled, so a
         scheduler can leave a speedup out rather than wait for it."""
         program = self.programs.get((kind, self.bucket_for(np.asarray(positions))))
         return program is not None and program.ready
-
-    def program_counts(self) -> dict[str, int]:
-        """How many programs exist, are compiled, came from the XLA compilation cache and had their exported
-        module read back from the program store (one pass, so the counts agree with each other while a
-        background warm-up runs)."""
-        ready = [p for p in self.programs.values() if p.ready]  # a ready program's from_* flags are final
-        return {"total": len(self.programs), "compiled": len(ready),
-                "from_compile_cache": sum(p.from_cache for p in ready),
-                "from_program_store": sum(p.from_store for p in ready)}
 
     # ---- prefill / decode --------------------------------------------------------------------
     def plan_chunks(self, n: int) -> list[int]:

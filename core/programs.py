@@ -16,7 +16,8 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import jax
@@ -25,6 +26,9 @@ from jax import export
 from core.program_store import ProgramStore, program_key
 
 ProgramKey = tuple[Hashable, ...]  # (kind, then the sizes that fix its shapes), e.g. ("decode", 1024)
+# Programs compiled at once during warm-up: tracing holds the GIL while XLA's compiler and the compilation
+# cache's loading do not, so two threads overlap one program's tracing with another's compile or load.
+COMPILE_THREADS = 2
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _hits: collections.Counter[int] = collections.Counter()  # thread id -> XLA cache hits, to tell what was loaded
 # One program is traced and lowered at a time, in any thread. JAX's tracing caches are shared between
@@ -106,3 +110,85 @@ class Program:
             self.compile(*args)
             compiled = self._compiled
         return compiled(*args)
+
+
+class ProgramTable(Mapping[ProgramKey, Program]):
+    """Every program of an engine, and their warm-up: compiled ahead from abstract arguments
+    (``example_args(key)``), all at once or the first ones now and the rest on a background thread.
+
+    ``first_needed(key)``: compiled before a background warm-up reports ready (what a short first request
+    runs); ``order(key)``: the sort key of the rest on the background thread."""
+
+    def __init__(self, programs: dict[ProgramKey, Program], example_args: Callable[[ProgramKey], tuple[Any, ...]],
+                 first_needed: Callable[[ProgramKey], bool], order: Callable[[ProgramKey], Any]) -> None:
+        self._programs = programs
+        self._example_args = example_args
+        self._first_needed = first_needed
+        self._order = order
+        self.background: threading.Thread | None = None  # the background warm-up, once started
+        self.compile_seconds = 0.0  # spent in `warmup` before it returned
+        self.warmup_seconds: dict[str, float] = {}  # per program name, as each is compiled
+
+    def __getitem__(self, key: ProgramKey) -> Program:
+        return self._programs[key]
+
+    def __iter__(self) -> Iterator[ProgramKey]:
+        return iter(self._programs)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False,
+               meanwhile: Callable[[], None] | None = None) -> float:
+        """Compile every program (never running one: nothing is written), `COMPILE_THREADS` at a time.
+        ``background``: compile the first needed now and the rest on a daemon thread (`background`); a call
+        that needs one of those before it is ready waits for it. ``meanwhile``: the caller's own work, run on
+        this thread once the programs are handed to the compile threads (they mostly wait on XLA, outside the
+        GIL). Returns the seconds spent here."""
+        begin = time.perf_counter()
+        keys = list(self._programs)
+        now = [k for k in keys if self._first_needed(k)] if background else keys
+        later = sorted((k for k in keys if k not in now), key=self._order)
+        if progress and now:
+            progress(self._programs[now[0]].name, 0, len(now))
+        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="slotserve-compile") as pool:
+            pending = [pool.submit(self._compile, key) for key in now]
+            if meanwhile:
+                meanwhile()
+            for done, future in enumerate(as_completed(pending)):
+                name = future.result()
+                if progress:
+                    progress(name, done + 1, len(now))
+        if progress:
+            progress("ready", len(now), len(now))
+        self.compile_seconds = time.perf_counter() - begin
+        if later:
+            self.background = threading.Thread(target=self._compile_later, args=(later,), name="slotserve-warmup",
+                                               daemon=True)
+            self.background.start()
+        return self.compile_seconds
+
+    def _compile(self, key: ProgramKey) -> str:
+        program = self._programs[key]
+        program.compile(*self._example_args(key))
+        self.warmup_seconds[program.name] = program.compile_seconds or 0.0
+        return program.name
+
+    def _compile_later(self, keys: list[ProgramKey]) -> None:
+        begin = time.perf_counter()
+        try:
+            for key in keys:
+                self._compile(key)
+        except Exception:  # a call needing the program compiles it itself (and reports what fails)
+            log.exception("background compilation stopped")
+            return
+        log.info("compiled %d more programs in the background in %.1f s", len(keys), time.perf_counter() - begin)
+
+    def counts(self) -> dict[str, int]:
+        """How many programs exist, are compiled, came from the XLA compilation cache and had their exported
+        module read back from the program store (one pass, so the counts agree with each other while a
+        background warm-up runs)."""
+        ready = [p for p in self._programs.values() if p.ready]  # a ready program's from_* flags are final
+        return {"total": len(self._programs), "compiled": len(ready),
+                "from_compile_cache": sum(p.from_cache for p in ready),
+                "from_program_store": sum(p.from_store for p in ready)}

@@ -286,11 +286,11 @@ def _startup_summary(state: ServerState) -> dict[str, Any]:
     """What start-up took and what it loaded rather than built (the caches of a restart)."""
     runtime = state.runtime
     engine = runtime.engine
-    timed = dict(engine.warmup_seconds)  # copied at once: a background warm-up adds entries meanwhile
+    timed = dict(engine.programs.warmup_seconds)  # copied at once: a background warm-up adds entries meanwhile
     slowest = sorted(timed.items(), key=lambda kv: -kv[1])[:5]
     return {"startup_s": state.startup.report()["stages_s"], "slowest_programs_s": dict(slowest),
             "weights_from_cache": runtime.weights_from_cache,
-            "programs": engine.program_counts()}
+            "programs": engine.programs.counts()}
 
 
 def _add_routes(app: FastAPI) -> None:

@@ -383,8 +383,8 @@ def test_background_warmup_compiles_what_a_short_request_needs_first_and_the_res
     assert all(eng.programs[k].ready for k in first) and len(first) < len(eng.programs)
     prompt = np.random.default_rng(8).integers(3, cfg.vocab_size, size=40)  # needs the 64 bucket: may wait
     during = greedy(eng, 0, prompt, 6)
-    eng.background_warmup.join(timeout=300)
-    assert eng.program_counts()["compiled"] == len(eng.programs)
+    eng.programs.background.join(timeout=300)
+    assert eng.programs.counts()["compiled"] == len(eng.programs)
     compiles = []
     listener = lambda name, *_, **__: compiles.append(name)  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)

@@ -64,14 +64,14 @@ def outputs(engine: Engine) -> list[np.ndarray]:
 def test_a_second_engine_reads_every_program_back_and_computes_the_same_bits(model, tmp_path):
     store = ProgramStore(tmp_path)
     first = engine_on(model, store)
-    counts = first.program_counts()
+    counts = first.programs.counts()
     assert counts["from_program_store"] == 0 and store.exports == counts["total"] == counts["compiled"]
     assert len(list(tmp_path.glob(f"*{ENTRY_SUFFIX}"))) == counts["total"]
     expected = outputs(first)
 
     again = ProgramStore(tmp_path)
     second = engine_on(model, again)
-    assert second.program_counts()["from_program_store"] == counts["total"]
+    assert second.programs.counts()["from_program_store"] == counts["total"]
     assert again.hits == counts["total"] and again.exports == 0
     for a, b in zip(expected, outputs(second), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -92,7 +92,7 @@ def test_a_damaged_entry_is_exported_again_never_used(model, filled, tmp_path):
     store = ProgramStore(directory)
     second = engine_on(model, store)
     assert store.exports == 2 and store.hits == len(entries) - 2
-    assert second.program_counts()["from_program_store"] == len(entries) - 2
+    assert second.programs.counts()["from_program_store"] == len(entries) - 2
     for a, b in zip(expected, outputs(second), strict=True):
         np.testing.assert_array_equal(a, b)
     assert store._read(damaged) is not None and store._read(cut) is not None  # rewritten whole
@@ -120,7 +120,7 @@ def test_another_environment_or_other_arguments_never_look_an_entry_up(model, fi
     monkeypatch.setattr(program_store, "environment_fingerprint", lambda: "another environment")
     store = ProgramStore(directory)
     engine = engine_on(model, store)
-    assert store.hits == 0 and store.exports == engine.program_counts()["total"]
+    assert store.hits == 0 and store.exports == engine.programs.counts()["total"]
 
 
 def test_programs_exported_through_the_store_still_donate_the_cache(model, filled, tmp_path):
