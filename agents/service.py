@@ -311,7 +311,9 @@ class ChatService:
         room = generation_room(len(rendered.ids), self.runtime.max_len)
         wanted = p.max_tokens or agent.defaults.max_tokens or self.default_max_tokens
         max_tokens = min(wanted, room, self.max_tokens_limit or wanted)
-        stop = [*(p.stop if p.stop is not None else (agent.defaults.stop or [])), *rendered.stop]
+        # The template's turn-end text is the turn's EOS: ignore_eos ignores it too (the client's stops hold).
+        turn_end = () if p.ignore_eos else rendered.stop
+        stop = [*(p.stop if p.stop is not None else (agent.defaults.stop or [])), *turn_end]
         request = GenerationRequest(
             prompt_ids=tuple(rendered.ids),
             sampling=sampling,

@@ -113,6 +113,21 @@ def test_non_streaming_logprobs_and_logit_bias(client, runtime):
     assert r.choices[0].message.content == " banana" * 3
 
 
+def test_ignore_eos_also_ignores_the_templates_turn_end_but_not_the_clients_stops(client, runtime, monkeypatch):
+    """The transcript template ends the model's turn at its next "User:" line, as an instruction-tuned model's
+    EOS would: ignore_eos (benchmarks, fixed-length generation) ignores that too; a client's own stop holds."""
+    assert runtime.template.stop  # the built-in template has a turn-end text
+    submitted = []
+    submit = runtime.scheduler.submit
+    monkeypatch.setattr(runtime.scheduler, "submit", lambda req, loop=None: submitted.append(req) or submit(req, loop))
+    for ignore in (False, True):
+        client.chat.completions.create(model="assistant", messages=USER, max_tokens=2, stop=["zz"],
+                                       extra_body={"ignore_eos": ignore})
+    kept, ignored = (req.stop for req in submitted)
+    assert set(runtime.template.stop) <= set(kept) and "zz" in kept
+    assert ignored == ("zz",)
+
+
 def test_completions_text_and_stream(server):
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     r = c.completions.create(model="assistant", prompt="The capital of France is", max_tokens=3, logprobs=2,
