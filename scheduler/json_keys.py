@@ -122,6 +122,11 @@ def _set_bits(words: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).astype(np.int64)
 
 
+def _allowed(ids: np.ndarray, row_mask: np.ndarray) -> np.ndarray:
+    """The ids whose bits are set in a mask row ([ceil(V/32)] uint32)."""
+    return ids[(row_mask[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1]
+
+
 def _bits(ids: list[int], vocab_size: int) -> np.ndarray:
     words = np.zeros((vocab_size + 31) // 32, np.uint32)
     index = np.asarray(ids, np.int64)
@@ -374,14 +379,14 @@ class KeyTracker:
         found = quotes.enclosing_any(keys + items)
         if lexer.in_string:
             found |= self._closing_current()
-        candidates = np.fromiter(found, np.int64, len(found))
+        candidates = [np.fromiter(found, np.int64, len(found))]
         if unique:  # a token writing or ending a number or literal item (after closing this string, with a quote)
-            ends = quotes.quoted_scalar_ends if lexer.in_string else quotes.scalar_tokens
-            candidates = np.union1d(candidates, ends)
             if lexer.frames[-1].enum_strings:  # any token may commit an enum item to a used value, or start one
-                candidates = quotes.scalar_tokens if not lexer.in_string else _set_bits(row_mask)
-                candidates = np.union1d(candidates, quotes.ids)
-        allowed = candidates[(row_mask[candidates >> 5] >> (candidates & 31).astype(np.uint32)) & 1 == 1]
+                candidates = [_set_bits(row_mask)] if lexer.in_string else [quotes.scalar_tokens, quotes.ids]
+            else:
+                candidates.append(quotes.quoted_scalar_ends if lexer.in_string else quotes.scalar_tokens)
+        # Only the tokens the grammar allows are checked: filtered per list first (a gather), merged after.
+        allowed = np.unique(np.concatenate([_allowed(ids, row_mask) for ids in candidates]))
         return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]
 
     def _closing_current(self) -> set[int]:
