@@ -46,8 +46,9 @@ class QuoteTokens:
     # Decoded text between any two quotes of a token -> the tokens holding it so: only those can close a
     # string they also open on a given key or item.
     enclosing: dict[str, list[int]]
-    by_head: dict[bytes, list[int]]  # a quote token's bytes before its first quote -> the tokens
-    escaped_heads: frozenset[int]  # the quote tokens whose bytes before the first quote hold a backslash
+    # The decoded text a token adds to a string before the unescaped quote that closes it (read from a string
+    # not inside an escape) -> the tokens: those may close a string on a given key or item.
+    closes_with: dict[str, list[int]]
     # Bitmask words [ceil(V/32)] of the tokens that would grow a document by a member or an item: outside a
     # string those holding `,`, `{` or `[`; inside one those that close it and then hold one of them.
     growth_outside: np.ndarray
@@ -64,20 +65,16 @@ class QuoteTokens:
         return {i for text in texts for i in self.enclosing.get(text, ())}
 
     def closing_on(self, written: bytes, texts: Iterable[str]) -> set[int]:
-        """The ids of the tokens that may close a string whose bytes so far are ``written`` on one of ``texts``:
-        those whose bytes before their first quote are the rest of its plain spelling, and, while ``written``
-        decodes to the start of one of them, every token whose bytes before the quote hold an escape (an escape
-        spelling is not looked up). Every quote token when ``written`` itself holds an escape."""
-        if b"\\" in written:
+        """The ids of the tokens that close a string whose bytes so far are ``written`` on one of ``texts``
+        (compared decoded, so escape spellings count); every quote token while ``written`` ends inside an
+        escape (then a token's first byte belongs to it) or on half a surrogate pair (the other half joins it)."""
+        start = _decoded(written)
+        if start is None or (start and "\ud800" <= start[-1] <= "\udbff"):
             return set(self.ids.tolist())
         found: set[int] = set()
-        start = _decoded(written)
         for text in texts:
-            spelled = _spelled(text)
-            if spelled.startswith(written):
-                found.update(self.by_head.get(spelled[len(written):], ()))
-            if start is None or text.startswith(start):
-                found |= self.escaped_heads
+            if text.startswith(start):
+                found.update(self.closes_with.get(text[len(start):], ()))
         return found
 
 
@@ -95,19 +92,34 @@ def quote_tokens(tokenizer) -> QuoteTokens:
     for i, piece in enumerate(pieces):
         by_bytes.setdefault(piece, []).append(i)
     enclosing: dict[str, list[int]] = {}
-    by_head: dict[bytes, list[int]] = {}
+    closes_with: dict[str, list[int]] = {}
     for i, piece in found:
         for text in _enclosed(piece):
             enclosing.setdefault(text, []).append(i)
-        by_head.setdefault(piece[:piece.index(b'"')], []).append(i)
-    escaped = [i for i, piece in found if b"\\" in piece[:piece.index(b'"')]]
+        added = _closing_text(piece)
+        if added is not None:
+            closes_with.setdefault(added, []).append(i)
     scalars = [i for i, piece in enumerate(pieces)
                if piece and (item_end.search(piece) or set(piece) <= writing)]
     quoted_ends = [i for i, piece in found if item_end.search(piece, piece.index(b'"'))]
-    return QuoteTokens(np.array([i for i, _ in found], np.int64), enclosing, by_head, frozenset(escaped),
+    return QuoteTokens(np.array([i for i, _ in found], np.int64), enclosing, closes_with,
                        _bits(outside, len(pieces)),
                        _bits(inside, len(pieces)), np.array(scalars, np.int64), np.array(quoted_ends, np.int64),
                        tokenizer.token_bytes, by_bytes)
+
+
+def _closing_text(piece: bytes) -> str | None:
+    """What ``piece`` adds to a JSON string (entered outside an escape) before the unescaped quote that closes
+    it, decoded; None when no quote of it closes one, or what precedes that quote is not whole JSON text."""
+    escape = False
+    for at, b in enumerate(piece):
+        if escape:
+            escape = False
+        elif b == BACKSLASH:
+            escape = True
+        elif b == QUOTE:
+            return _decoded(piece[:at])
+    return None
 
 
 def _enclosed(piece: bytes) -> set[str]:
@@ -386,7 +398,8 @@ class KeyTracker:
             else:
                 candidates.append(quotes.quoted_scalar_ends if lexer.in_string else quotes.scalar_tokens)
         # Only the tokens the grammar allows are checked: filtered per list first (a gather), merged after.
-        allowed = np.unique(np.concatenate([_allowed(ids, row_mask) for ids in candidates]))
+        allowed = [_allowed(ids, row_mask) for ids in candidates]
+        allowed = allowed[0] if len(allowed) == 1 else np.unique(np.concatenate(allowed))
         return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]
 
     def _closing_current(self) -> set[int]:
