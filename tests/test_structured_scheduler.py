@@ -480,3 +480,17 @@ def test_unique_arrays_of_bounded_scalars_neither_repeat_nor_run_into_a_dead_end
         document = json.loads(text)
         assert not repeated_items(document), text
         jsonschema.validate(document, schema)
+
+
+def test_a_key_closed_by_a_token_with_an_escape_is_found_by_the_text_it_adds(setup):
+    """A token whose bytes before its closing quote hold an escape (`=\\""` adds `="`) closes a key on the
+    decoded text: it is looked up as such, not tried against every key; inside an unfinished escape every
+    quote token is a candidate."""
+    _, tokenizer, compiler = setup
+    quotes = compiler.quote_tokens()
+    [token] = [i for i in quotes.ids.tolist() if tokenizer.token_bytes(i) == b'=\\""']  # adds '="', then closes
+    [inside] = [i for i in quotes.ids.tolist() if tokenizer.token_bytes(i) == b'\\"']  # an escaped quote only
+    assert token in quotes.closing_on(b"k", ['k="', "other"])
+    assert token in quotes.closing_on(b"k\\u0041", ['kA="'])  # the key so far holds an escape too
+    assert token not in quotes.closing_on(b"k", ['k="x']) and inside not in quotes.closing_on(b"k", ['k"'])
+    assert len(quotes.closing_on(b"k\\", ["k"])) == len(quotes.ids)  # a pending escape: any quote token
