@@ -52,6 +52,17 @@ def tokenizer(default_gguf):
     return Tokenizer.from_pretrained(default_gguf)
 
 
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    """A grammar compiler for the default model's tokenizer, warmed up (one per test module)."""
+    from scheduler.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer)
+    compiler.warm_up()
+    yield compiler
+    compiler.close()
+
+
 @pytest.fixture(scope="session")
 def real_model(compile_cache):
     from core.runtime import load_model

@@ -10,7 +10,7 @@ from decimal import Decimal
 
 import pytest
 
-from scheduler.grammar import ConstraintSpec, GrammarCompiler
+from scheduler.grammar import ConstraintSpec
 from scheduler.item_space import item_space, literal_value, number_value
 
 ALPHABET = "-.0123456789truefalsn"  # what numbers and literals are spelled with
@@ -29,14 +29,6 @@ ITEM_SCHEMAS = [
     {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"type": "integer", "minimum": 3, "maximum": 12}]},
     {"anyOf": [{"type": "integer", "minimum": -5, "maximum": -1}, {"type": "null"}, {"enum": [7, 70]}]},
 ]
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    compiler = GrammarCompiler(tokenizer)
-    compiler.warm_up()
-    yield compiler
-    compiler.close()
 
 
 def language(compiler, tokenizer, items: dict) -> dict[str, object]:

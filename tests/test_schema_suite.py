@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import pytest
 
-from scheduler.grammar import ConstraintSpec, GrammarCompiler, UnsupportedConstraintError
+from scheduler.grammar import ConstraintSpec, UnsupportedConstraintError
 from scheduler.grammar_backends import iter_subschemas
 from scheduler.grammar_llguidance import ASSERTED_FORMATS
 from scheduler.grammar_outlines import OC_FORMATS
@@ -91,14 +90,6 @@ def reorderings(value: Any, limit: int = 20) -> list[Any]:
     if isinstance(value, list):
         return [list(v) for v in itertools.islice(itertools.product(*(reorderings(v, 4) for v in value)), limit)]
     return [value]
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    compiler = GrammarCompiler(tokenizer)
-    compiler.warm_up()
-    yield compiler
-    compiler.close()
 
 
 def in_schema_order(schema: Any, value: Any) -> Any:

@@ -439,13 +439,20 @@ def test_a_unique_enum_array_commits_to_no_used_value_and_ends_when_all_are_used
     assert "," in repeating(b'["red","green","blue","cyan","magenta"')  # so no other item may begin
     assert "," not in repeating(b'["red","green","blue","cyan"')
     bias = tuple((tokenizer.encode(text)[0], 8.0) for text in ('","', "red", "re"))
-    reqs = [GenerationRequest(prompt(900 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
+    assert_end_unique_and_valid(setup, compiled, bias, COLORS, seed=900)
+
+
+def assert_end_unique_and_valid(setup, compiled, bias, schema, seed: int) -> None:
+    """Eight outputs of a random model pushed by ``bias``, with the tracker: every one ends on its own (never in
+    an error), repeats no item and validates."""
+    engine, tokenizer, compiler = setup
+    reqs = [GenerationRequest(prompt(seed + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
                               max_tokens=40, constraint=compiler.matcher(compiled)) for i in range(8)]
     for _, text, fin in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs):
         assert fin.reason is FinishReason.STOP, (text, fin)
         document = json.loads(text)
         assert not repeated_items(document), text
-        jsonschema.validate(document, COLORS)
+        jsonschema.validate(document, schema)
 
 
 BOUNDED_UNIQUE = [
@@ -473,13 +480,7 @@ def test_unique_arrays_of_bounded_scalars_neither_repeat_nor_run_into_a_dead_end
     untracked = [json.loads(text) for text in pushed_outputs(setup, compiled, bias, False, seed=1200, max_tokens=40)
                  if _parses(text)]
     assert sum(repeated_items(doc) for doc in untracked) >= 2
-    reqs = [GenerationRequest(prompt(1200 + i), SamplingParams(temperature=1.0, seed=i, logit_bias=bias),
-                              max_tokens=40, constraint=compiler.matcher(compiled)) for i in range(8)]
-    for _, text, fin in run(Scheduler(engine, tokenizer, stop_ids=compiler.stop_ids), reqs):
-        assert fin.reason is FinishReason.STOP, (text, fin)
-        document = json.loads(text)
-        assert not repeated_items(document), text
-        jsonschema.validate(document, schema)
+    assert_end_unique_and_valid(setup, compiled, bias, schema, seed=1200)
 
 
 def test_a_key_closed_by_a_token_with_an_escape_is_found_by_the_text_it_adds(setup):
