@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import datetime
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -41,12 +40,22 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from http_load import default_gguf, free_port, git_commit, percentile, sse_chunks, stop_process  # noqa: E402
-from report import save_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    child_process,
+    default_gguf,
+    free_port,
+    git_commit,
+    host,
+    llama_command,
+    log,
+    percentile,
+    save_report,
+    sse_chunks,
+    wait_healthy,
+)
 
 _WORD_TEXT = (
     "the a and or but if when because so then also only agent task tool plan step result report file code test "
@@ -58,10 +67,6 @@ _WORD_TEXT = (
     "please note remember ensure avoid prefer keep use return call ask tell explain describe compare count"
 )
 WORDS = _WORD_TEXT.split()
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def prose(rng: random.Random, words: int) -> str:
@@ -215,26 +220,6 @@ def summarize(run: dict[str, Any], template: Any, computed: int | None) -> dict[
 
 # ---- servers ---------------------------------------------------------------------------------------------------
 
-def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, path: str, timeout: float,
-                 every_program: bool = False) -> float:
-    """Seconds until ``path`` answers 200 (``every_program``: and slotserve's /ready says every program is
-    compiled, so a background warm-up does not share the cores with the measured workload)."""
-    import httpx
-
-    begin = time.monotonic()
-    while True:
-        try:
-            r = httpx.get(f"{url}{path}", timeout=5)
-            programs = r.json().get("programs", {}) if r.status_code == 200 and every_program else {}
-            if r.status_code == 200 and programs.get("compiled") == programs.get("total"):
-                return time.monotonic() - begin
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() - begin > timeout:
-            raise RuntimeError(f"{url} did not become ready (see {log_path})")
-        time.sleep(0.5)
-
-
 def scheduler_counters(url: str) -> dict[str, float]:
     """slotserve's scheduler counters from /metrics (prefill tokens computed, chunks, copies, restores, ...)."""
     import httpx
@@ -264,8 +249,8 @@ def ours(args: argparse.Namespace, work: dict[str, Any], tmp: Path) -> dict[str,
 
 def llama(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     port = free_port()
-    cmd = [args.llama_server, "-m", args.gguf or default_gguf(), "-np", str(args.concurrency), "-t",
-           str(args.llama_threads), "-c", str(args.concurrency * 8192), "--port", str(port), "--host", "127.0.0.1"]
+    cmd = llama_command(args.llama_server, args.gguf or default_gguf(), port, "-np", str(args.concurrency), "-t",
+                        str(args.llama_threads), "-c", str(args.concurrency * 8192))
     url = f"http://127.0.0.1:{port}"
     return {"name": "llama.cpp", "url": url, "command": cmd, "log": tmp / "llama-server.log", "ready_path": "/health",
             "chat_url": lambda agent: f"{url}/v1/chat/completions", "model": lambda agent: "gemma"}
@@ -276,12 +261,8 @@ def run_server(kind: str, args: argparse.Namespace, work: dict[str, Any], templa
         tmp = Path(name)
         server = ours(args, work, tmp) if kind == "ours" else llama(args, tmp)
         log(f"{server['name']}: {' '.join(server['command'])}")
-        with open(server["log"], "w") as logf:
-            proc = subprocess.Popen(server["command"], stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT)
-            try:
-                return measure(kind, server, proc, args, work, template)
-            finally:
-                stop_process(proc, 60)
+        with child_process(server["command"], log_path=server["log"], cwd=ROOT) as proc:
+            return measure(kind, server, proc, args, work, template)
 
 
 def measure(kind: str, server: dict[str, Any], proc: subprocess.Popen, args: argparse.Namespace,
@@ -320,20 +301,6 @@ async def warm_up(server: dict[str, Any], args: argparse.Namespace) -> None:
         await stream_chat(client, server["chat_url"]("agent0"), body, {})
 
 
-def host() -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags.split()]
-    except (OSError, StopIteration):
-        isa = []
-    return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "platform": platform.platform()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", default=None, help="llama.cpp server binary (benchmarks/build_llama_server.sh)")
@@ -361,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     work = build_workload(args)
     report: dict[str, Any] = {
         "benchmark": "agents_http", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(), "host": host(), "argv": sys.argv[1:], "workload": {
+        "commit": git_commit(mark_dirty=True), "host": host(), "argv": sys.argv[1:], "workload": {
             k: getattr(args, k) for k in ("agents", "sessions", "turns", "concurrency", "system_words", "user_words",
                                           "max_tokens", "seed")},
         "notes": "client-sent system prompts, full history resent, streaming, temperature 0.7 with per-turn seeds; "

@@ -56,7 +56,6 @@ import platform
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -69,7 +68,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    RESULTS,
+    dist_ms,
+    host,
+    log,
+    percentile,
+    save_report,
+    source_info,
+)
 
 USER_OPEN = "<end_of_turn>\n<start_of_turn>user\n"
 MODEL_OPEN = "<end_of_turn>\n<start_of_turn>model\n"
@@ -88,10 +95,6 @@ _WORD_LIST = (
     "with without for from into onto over under after before during between across through about against"
 )
 WORDS = _WORD_LIST.split()
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ---- workload -------------------------------------------------------------------------------------------
@@ -271,20 +274,6 @@ def session_worker(sched: Any, spec: SessionSpec, seps: dict[str, list[int]], ar
         history = prompt + record.ids
 
 
-def pct(values: list[float], q: float) -> float | None:
-    import numpy as np
-
-    return float(np.percentile(values, q)) if values else None
-
-
-def dist_ms(values: list[float]) -> dict[str, Any]:
-    if not values:
-        return {"n": 0}
-    return {"n": len(values), "p50_ms": round(pct(values, 50) * 1e3, 1), "p90_ms": round(pct(values, 90) * 1e3, 1),
-            "p99_ms": round(pct(values, 99) * 1e3, 1), "mean_ms": round(statistics.fmean(values) * 1e3, 1),
-            "max_ms": round(max(values) * 1e3, 1)}
-
-
 def replay(engine: Any, tokenizer: Any, specs: list[SessionSpec], seps: dict[str, list[int]],
            args: argparse.Namespace, caching: bool, timers: EngineTimers | None) -> tuple[dict[str, Any], dict]:
     from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -349,14 +338,14 @@ def replay(engine: Any, tokenizer: Any, specs: list[SessionSpec], seps: dict[str
         "generated_tokens": generated,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(generated / wall, 3) if wall else None,
-        "ttft": dist_ms(ttft),
-        "ttft_p50_ms_by_turn": {t: round(pct(v, 50) * 1e3, 1) for t, v in sorted(by_turn.items())},
-        "itl": dist_ms(itl),
+        "ttft": dist_ms(ttft, 1),
+        "ttft_p50_ms_by_turn": {t: round(percentile(v, 0.5) * 1e3, 1) for t, v in sorted(by_turn.items())},
+        "itl": dist_ms(itl, 1),
         "itl_same_delivery_fraction": round(same_delivery / len(itl), 3) if itl else None,
-        "server_queue": dist_ms(queue_s),
-        "server_admit_to_first_token": dist_ms(admit_to_first),
+        "server_queue": dist_ms(queue_s, 1),
+        "server_admit_to_first_token": dist_ms(admit_to_first, 1),
         "ttft_share_waiting_for_slot": round(sum(queue_s) / server_ttft, 3) if server_ttft else None,
-        "first_token_delivery_lag": dist_ms(lag),
+        "first_token_delivery_lag": dist_ms(lag, 1),
         "prompt_tokens_requested": stats["prompt_tokens"],
         "prefill_tokens_computed": stats["prefill_tokens"],
         "prefill_computed_over_requested": round(stats["prefill_tokens"] / max(stats["prompt_tokens"], 1), 4),
@@ -455,25 +444,6 @@ def _pairs(runs: list[dict[str, Any]]):
 
 # ---- driver --------------------------------------------------------------------------------------------
 
-def source_info() -> dict[str, Any]:
-    """The commit the code came from and the tracked files that differ from it (core/, scheduler/). Outside a
-    git checkout (e.g. a `git archive` snapshot) the commit comes from $SLOTSERVE_SOURCE_COMMIT, if set."""
-
-    def git(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
-            return out.stdout.strip() if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return {"git_commit": os.environ.get("SLOTSERVE_SOURCE_COMMIT"), "checkout": False,
-                "note": "not a git checkout: a snapshot of git_commit (if given)"}
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "core", "scheduler") or ""
-    return {"git_commit": commit, "checkout": True, "modified_tracked_files": [line[3:] for line in dirty.splitlines()]}
-
-
 def mode_order(args: argparse.Namespace) -> list[bool]:
     if args.order == "off-on":
         return [False] * args.repeats + [True] * args.repeats
@@ -566,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": backend,
             "device_kind": jax.devices()[0].device_kind,
             "host_cpus": os.cpu_count(),
+            "host": host(),
             "load_average_at_start": list(os.getloadavg()),
             "model": args.model,
             "dtype": model.dtype,
@@ -588,8 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        save_report(out, report, echo=False)
 
     log(f"{len(specs)} sessions x {args.turns} turns over {args.slots} slots, prompts up to "
         f"{longest_prompt(args, seps)} tokens; compiling")
@@ -634,8 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "mismatch_count": len(mismatches)}
     report["summary"] = summarize(report["runs"])
     report["meta"]["load_average_at_end"] = list(os.getloadavg())
-    save()
-    print(json.dumps(report, indent=2))
+    save_report(out, report)
     log(f"outputs identical: {report['outputs_identical']}; wrote {out}")
     return 0 if report["outputs_identical"] and not any(r["errors"] for r in report["runs"]) else 1
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,8 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import host, wait_healthy  # noqa: E402 - after the path set-up that makes it importable
-from benchmarks.structured_http import free_port, start_server  # noqa: E402
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    bench_server,
+    free_port,
+    git_commit,
+    host,
+    save_report,
+    wait_healthy,
+)
 
 # (prompt, accepted words): any one of them in the answer counts as correct
 PROMPTS: list[tuple[str, tuple[str, ...]]] = [
@@ -130,15 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown sampling sets: {', '.join(sorted(unknown))}")
     result: dict[str, Any] = {"what": __doc__.split("\n\n")[0], "host": host(), "max_tokens": args.max_tokens,
-                              "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                                           capture_output=True).stdout.strip(),
+                              "git_commit": git_commit() or "",
                               "templates": {}}
     for template in args.templates.split(","):
         port = free_port()
-        proc = start_server(ROOT, port, args.max_tokens, f"  chat_template: {template}\n")
-        try:
+        with bench_server(ROOT, port, args.max_tokens, f"  chat_template: {template}\n") as proc:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, Path("(no log kept)"), "/ready", timeout=900, every_program=True)
+            wait_healthy(url, proc, None, "/ready", timeout=900, every_program=True)
             for sampling in samplings:
                 begin = time.monotonic()
                 run = asyncio.run(run_template(url, temperatures, args.max_tokens, SAMPLINGS[sampling]))
@@ -148,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["templates"][key] = run
                 for temperature in temperatures:
                     print(key, temperature, run[f"temperature_{temperature}"]["summary"])
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-    Path(args.out).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    save_report(args.out, result, echo=False, indent=1, ensure_ascii=False)
     print(f"saved {args.out}")
     return 0
 

@@ -29,13 +29,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from agents_http import host  # noqa: E402
-from http_load import LiveServer, git_commit, log  # noqa: E402
-from report import save_report  # noqa: E402
+from benchmarks.common import LiveServer, git_commit, host, log, save_report  # noqa: E402
 
 MODES = ("off", "on", "on+stream")
 
@@ -142,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     publishes = publish_timer(sched.snapshots)
     record: dict[str, Any] = {
         "benchmark": "dashboard_overhead", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "host": host(), "runtime": runtime.info(),
+        "git_commit": git_commit(mark_dirty=True), "host": host(), "runtime": runtime.info(),
         "workload": {"streams": args.streams, "prompt_tokens": 32, "max_tokens": args.max_tokens,
                      "rounds": args.rounds, "snapshot_interval_s": sched.snapshots.interval_s,
                      "stream_interval_s": args.stream_interval},

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import engine as bench  # noqa: E402
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.common import save_report  # noqa: E402
 
 
 def device_processes(trace: dict[str, Any]) -> dict[int, str]:

@@ -18,9 +18,7 @@ Results: benchmarks/results/dry-reference-cpu.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import host, wait_healthy  # noqa: E402 - after the path set-up that makes it importable
-from benchmarks.http_load import default_gguf, stop_process  # noqa: E402
-from benchmarks.structured_http import free_port, start_server  # noqa: E402
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    bench_server,
+    child_process,
+    default_gguf,
+    free_port,
+    git_commit,
+    host,
+    llama_command,
+    save_report,
+    wait_healthy,
+)
 
 PROMPTS = [
     "The cat sat on the mat. The dog sat on the log. The cat sat on the",
@@ -91,25 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     answers: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
 
     port = free_port()
-    proc = start_server(ROOT, port, 16)
-    try:
+    with bench_server(ROOT, port, 16) as proc:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, Path("(no log kept)"), "/ready", 900, every_program=True)
+        wait_healthy(url, proc, None, "/ready", 900, every_program=True)
         answers["slotserve"] = [(ours(url, ids, False), ours(url, ids, True)) for ids in prompts]
-    finally:
-        stop_process(proc, 60)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "llama.log"
-        with open(log, "w") as logf:
-            proc = subprocess.Popen([args.llama_server, "-m", default_gguf(), "-np", "1", "-c", "2048", "--port",
-                                     str(port), "--host", "127.0.0.1"], stdout=logf, stderr=subprocess.STDOUT)
-        try:
+        cmd = llama_command(args.llama_server, default_gguf(), port, "-np", "1", "-c", "2048")
+        with child_process(cmd, log_path=log) as proc:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, log, "/health", 300)
             answers["llama.cpp"] = [(llama(url, ids, False), llama(url, ids, True)) for ids in prompts]
-        finally:
-            stop_process(proc, 60)
 
     rows: list[dict[str, Any]] = []
     for i, text in enumerate(PROMPTS):
@@ -127,12 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                      "max_abs_difference": round(worst, 4), "plain_top_token": tops})
     report = {"what": __doc__.split("\n\n")[0], "host": host(), "dry": DRY,
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                           capture_output=True).stdout.strip(),
+              "git_commit": git_commit() or "",
               "penalised_tokens": sum(len(r["penalised"]) for r in rows),
               "max_abs_difference": max(r["max_abs_difference"] for r in rows), "prompts": rows}
-    Path(args.out).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
-    print(json.dumps(report, indent=1, ensure_ascii=False))
+    save_report(args.out, report, indent=1, ensure_ascii=False)
     return 0
 
 

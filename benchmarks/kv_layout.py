@@ -36,13 +36,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from agents_http import build_workload, host, prose, unique_prefix_tokens  # noqa: E402
-from http_load import default_gguf, git_commit  # noqa: E402
-from report import save_report  # noqa: E402
+from benchmarks.agents_http import build_workload, prose, unique_prefix_tokens  # noqa: E402
+from benchmarks.common import default_gguf, git_commit, host, save_report  # noqa: E402
 
 RING_SLACK = 7  # the ring layout's slack for 8-token verify chunks (e2dcbc2's default)
 
@@ -181,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/kv-layout-cpu.json"))
     args = p.parse_args(argv)
     report: dict[str, Any] = {"benchmark": "kv_layout", "date": datetime.datetime.now(datetime.UTC).isoformat(
-        timespec="seconds"), "commit": git_commit(), "host": host(), "argv": sys.argv[1:]}
+        timespec="seconds"), "commit": git_commit(mark_dirty=True), "host": host(), "argv": sys.argv[1:]}
     report["memory"] = memory_table(8192)
     report["reuse"] = simulate(args, report["memory"])
     save_report(args.out, report, echo=False)

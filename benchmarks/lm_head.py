@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.common import host, save_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(ms))
     ops = 2 * args.rows * args.hidden * args.vocab
     report = {
-        "backend": jax.default_backend(), "jax": jax.__version__, "rows": args.rows, "hidden": args.hidden,
-        "vocab": args.vocab, "repeats": args.repeats,
+        "backend": jax.default_backend(), "jax": jax.__version__, "host": host(), "rows": args.rows,
+        "hidden": args.hidden, "vocab": args.vocab, "repeats": args.repeats,
         "ms_median": {k: round(v, 2) for k, v in ms.items()},
         "ratio_vs_first": {k: round(v / ms[first], 3) for k, v in ms.items()},
         "first_int8_gops": round(ops / ms[first] / 1e6, 1),

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import host  # noqa: E402 - after the path set-up that makes it importable
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.common import git_commit, host, save_report  # noqa: E402 - after the path set-up that makes it importable
 
 SUITE = ROOT / "tests" / "data" / "json-schema" / "jsonschemabench-sample"
 ROWS = 8
@@ -116,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "what": __doc__.split("\n\n")[0], "host": host(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                     capture_output=True).stdout.strip(),
+        "git_commit": git_commit() or "",
         "documents": {kind: len(members) for kind, members in classes.items()},
         "tokens": {kind: sum(len(ids) for _, ids in members) for kind, members in classes.items()},
         "rounds": args.rounds, "per_row_fill": result,

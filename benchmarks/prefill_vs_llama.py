@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.common import host, save_report  # noqa: E402
 
 ENGINE_ARGS = ["--model", "default", "--precision", "w8a8", "--kv-dtype", "int8", "--contexts", "512", "--steps",
                "2", "--no-breakdown", "--prefill-chunks", "3", "--verify-width", "0"]
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ours": "benchmarks/engine.py " + " ".join(ENGINE_ARGS) + f" --max-len {args.max_len}",
                      "ours_one_bucket": f"... --attention-buckets {args.max_len}"},
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": host(),
         "runs": [],
     }
     with tempfile.TemporaryDirectory() as tmp_name:

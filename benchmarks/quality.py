@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import host, save_report  # noqa: E402 - after the path set-up that makes it importable
+
 PROMPTS = [
     "The history of the printing press begins", "Write a short poem about the sea.",
     "Explain how a hash table works.", "Once upon a time, in a small village,",
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         weights["w8a8"] = to_w8a8(model.params)
     params = {n: weights[VARIANTS[n][0]] for n in names}
     kv = {n: VARIANTS[n][1] for n in names}
-    result: dict = {"model": args.model, "reference": ref,
+    result: dict = {"model": args.model, "host": host(), "reference": ref,
                     "variants": {n: {"precision": VARIANTS[n][0], "kv_dtype": kv[n]} for n in names},
                     "param_bytes": {n: param_bytes(params[n]) for n in names}}
 
@@ -150,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "teacher_forced_top1_agreement_on_text": {
             n: round(float(np.mean(scored[n][1] == scored[ref][1])), 4) for n in others},
     }
-    print(json.dumps(result, indent=2))
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    save_report(args.out, result)
     return 0
 
 

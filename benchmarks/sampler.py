@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import host  # noqa: E402
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.common import host, save_report  # noqa: E402
 
 BASELINE = "full, greedy"
 

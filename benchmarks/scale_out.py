@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import platform
 import statistics
 import sys
@@ -41,14 +40,20 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-for _path in (REPO, REPO / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-import agents_http  # noqa: E402
-from http_load import git_commit, percentile  # noqa: E402
-
-from server.cluster import Cluster, free_port  # noqa: E402
+from benchmarks import agents_http  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    free_port,
+    git_commit,
+    host,
+    percentile,
+    save_report,
+    sse_chunks,
+    wait_healthy,
+)
+from server.cluster import Cluster  # noqa: E402
 
 TINY_SERVER = REPO / "tests" / "tiny_server.py"
 
@@ -75,10 +80,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, sid: str, turn: int, max
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                              headers={"X-Session-Id": sid, "Idempotency-Key": f"{sid}-{turn}"}) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(r):
             if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 ttft = time.perf_counter() - begin
             if chunk.get("usage"):
@@ -136,8 +138,8 @@ def measure_agents(replicas: int, args: argparse.Namespace) -> dict[str, Any]:
               "model": (lambda agent: "assistant") if args.tiny else (lambda agent: agent)}
     try:
         for replica in cluster.members:  # background compiles would share the cores with the workload
-            agents_http.wait_healthy(replica.url, replica.process.proc, replica.process.log_path, "/ready",
-                                     args.timeout, every_program=True)
+            wait_healthy(replica.url, replica.process.proc, replica.process.log_path, "/ready", args.timeout,
+                         every_program=True)
         warm_args = argparse.Namespace(**{**vars(args), "sessions": replicas, "turns": 1, "seed": args.seed + 1})
         warm = asyncio.run(agents_http.run_workload(server, agents_http.build_workload(warm_args), warm_args,
                                                     headers=lambda spec: {"X-Session-Id": f"warm-{spec['session']}"}))
@@ -206,13 +208,11 @@ def main() -> None:
         keys = ("agents", *keys, "system_words", "user_words", "seed")
     report = {"benchmark": "scale_out", "router": args.router, "tiny": args.tiny,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "commit": git_commit(), "host": agents_http.host(), "argv": sys.argv[1:],
+              "commit": git_commit(mark_dirty=True), "host": host(), "argv": sys.argv[1:],
               "machine": platform.machine(),
               "workload": {"kind": args.workload, **{k: getattr(args, k) for k in keys}},
               "runs": [measure(n, args) for n in args.replicas]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    save_report(out, report)
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,6 @@ accepted tokens, and whether every task's output equals its output with speculat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import host, save_report  # noqa: E402 - after the path set-up that makes it importable
 
 TASKS = {
     "record_to_json": "Convert this record to a JSON object with the keys name, email, city, phone:\n"
@@ -142,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     model.dtype)
     engine.warmup()
     template = ChatTemplate(model.tokenizer)
-    result: dict[str, Any] = {"model": args.model, "precision": model.precision, "kv_dtype": kv_dtype or "compute",
-                              "slots": args.slots, "verify_width": engine.config.verify_tokens,
+    result: dict[str, Any] = {"model": args.model, "host": host(), "precision": model.precision,
+                              "kv_dtype": kv_dtype or "compute", "slots": args.slots,
+                              "verify_width": engine.config.verify_tokens,
                               "rows_verify_width": engine.config.rows_verify_width,
                               "rows_verify_exact": engine.rows_verify_exact, "max_tokens": args.max_tokens,
                               "tasks": {}}
@@ -155,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = {name: template.render("", [{"role": "user", "content": task}]).ids for name, task in TASKS.items()}
         result["together"] = together(engine, model.tokenizer, prompts, args.max_tokens)
         del result["tasks"]
-        print(json.dumps(result, indent=2))
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        save_report(out, result)
         return 0
     totals = {"off": [0, 0.0], "on": [0, 0.0]}
     for name, task in TASKS.items():
@@ -186,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     result["total"] = {"tokens_per_s_off": round(rate["off"], 2), "tokens_per_s_on": round(rate["on"], 2),
                        "speedup": round(rate["on"] / rate["off"], 3),
                        "all_identical": all(t["identical_outputs"] for t in result["tasks"].values())}
-    print(json.dumps(result, indent=2))
-    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    save_report(out, result)
     return 0
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,13 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import host  # noqa: E402 - after the path set-up that makes it importable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    child_process,
+    every_program_compiled,
+    free_port,
+    git_commit,
+    host,
+    poll_ready,
+    save_report,
+    serve_command,
+)
 
 
 def start_once(cache: Path, slots: int, max_len: int, timeout: float, background: bool) -> dict:
@@ -48,13 +49,12 @@ def start_once(cache: Path, slots: int, max_len: int, timeout: float, background
                       f"  background_compile: {str(background).lower()}\n"
                       f"server:\n  port: {port}\n  log_level: warning\n")
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "SLOTSERVE_CACHE_DIR": str(cache)}  # weights and tokenizer caches start empty too
+    env = {"SLOTSERVE_CACHE_DIR": str(cache)}  # weights and tokenizer caches start empty too
     begin = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
-                             "serve", "--config", str(config)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=env)
-    try:
-        body = poll(proc, url, begin, timeout, lambda b: True)
+    with child_process(serve_command(config), cwd=ROOT, env=env) as proc:
+        ready = f"{url}/ready"
+        # Both waits end at the same deadline: the timeout counts from the process start.
+        body = poll_ready(ready, proc, begin + timeout, until=lambda b: True, interval=0.25)  # any 200: its body
         run = {"ready_s": round(time.monotonic() - begin, 1), "stages_s": body["startup_s"],
                "weights_from_cache": body["weights_from_cache"], "programs_at_ready": body["programs"],
                "slowest_programs_s": body["slowest_programs_s"]}
@@ -63,28 +63,10 @@ def start_once(cache: Path, slots: int, max_len: int, timeout: float, background
             "model": "assistant", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
         reply.raise_for_status()
         run["first_request_s"] = round(time.monotonic() - sent, 2)
-        done = poll(proc, url, begin, timeout, lambda b: b["programs"]["compiled"] == b["programs"]["total"])
+        done = poll_ready(ready, proc, begin + timeout, until=every_program_compiled, interval=0.25)
         run["all_programs_compiled_s"] = round(time.monotonic() - begin, 1)
         run["programs_at_end"] = done["programs"]
         return run
-    finally:
-        proc.terminate()
-        proc.wait(60)
-
-
-def poll(proc: subprocess.Popen, url: str, begin: float, timeout: float, until) -> dict:
-    """The /ready body once it is 200 and ``until(body)`` holds."""
-    while time.monotonic() - begin < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            r = httpx.get(f"{url}/ready", timeout=5)
-            if r.status_code == 200 and until(r.json()):
-                return r.json()
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit("the server did not become ready")
 
 
 def main() -> None:
@@ -105,13 +87,12 @@ def main() -> None:
             runs[f"restart {n} (warm caches)"] = start_once(cache, args.slots, args.max_len, args.timeout, background)
     report = {"meta": {"command": "python3 benchmarks/startup.py " + " ".join(sys.argv[1:]), "host": host(),
                        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                                    text=True).stdout.strip(),
+                       "git_commit": git_commit() or "",
                        "config": f"default model, {args.slots} slots x {args.max_len}, the server's CPU defaults, "
                                  f"background compile {args.background}",
                        "load_average": os.getloadavg()},
               "runs": runs}
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    save_report(args.out, report, echo=False, indent=1)
     print(json.dumps(runs, indent=1))
 
 

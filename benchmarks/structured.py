@@ -44,13 +44,14 @@ Phases (the JSON is rewritten after each, so an interrupted run keeps what it me
    of L forced tokens emits L+1 tokens from one chunk instead of L+1 decode steps, so it pays for a single
    stream when (L+1) * D1 > P and in a full batch of S when L * D_S / S > P (the batch step runs anyway for
    the other slots). The estimate applies that rule (feed only runs that pay) to the measured runs.
+
+Phases 3 and 4's replay, forced-token walk and payoff live in benchmarks/structured_replay.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
@@ -58,12 +59,10 @@ import random
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,28 +70,26 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    RESULTS,
+    dist_ms,
+    host,
+    log,
+    percentile,
+    save_report,
+    source_info,
+    versions,
+)
+from benchmarks.structured_replay import (  # noqa: E402
+    forced_analysis,
+    matchers_midway,
+    payoff_estimate,
+    replay,
+    time_payoff,
+)
+
 SCHEMA_DIR = ROOT / "tests" / "data" / "json-schema"
 BACKEND_LABELS = {"unconstrained": "U", "llguidance": "C", "outlines-core": "O"}
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    import numpy as np
-
-    return float(np.percentile(values, q)) if values else None
-
-
-def dist_ms(values: list[float], digits: int = 3) -> dict[str, Any]:
-    """Distribution of durations given in seconds, reported in milliseconds."""
-    if not values:
-        return {"n": 0}
-    return {"n": len(values), "p50_ms": round(pct(values, 50) * 1e3, digits),
-            "p90_ms": round(pct(values, 90) * 1e3, digits), "p99_ms": round(pct(values, 99) * 1e3, digits),
-            "mean_ms": round(statistics.fmean(values) * 1e3, digits), "max_ms": round(max(values) * 1e3, digits)}
 
 
 # ---- schemas ----------------------------------------------------------------------------------------------
@@ -209,7 +206,8 @@ def outlines_allowlist(specs: list[tuple[Any, SchemaEntry]]) -> tuple[dict, list
         "admitted": len(admitted),
         "refused": sum(refused.values()),
         "admitted_by_suite": dict(Counter(e.suite for _, e, _ in admitted)),
-        "regex_chars_admitted": {"p50": pct(lengths, 50), "p90": pct(lengths, 90), "max": max(lengths, default=None)},
+        "regex_chars_admitted": {"p50": percentile(lengths, 0.5), "p90": percentile(lengths, 0.9),
+                                 "max": max(lengths, default=None)},
         "allowlist_check": dist_ms(times),
         "refused_by_feature_top": dict(refused.most_common(15)),
     }, admitted
@@ -375,43 +373,15 @@ def run_lockstep(engines: dict[str, Any], tokenizer: Any, variants: list[str], w
                  ) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[int]]]]:
     """One fresh Scheduler per variant, each on its own engine; their iterations alternate (order reversed
     every iteration) until every request has finished, so load drift hits all variants alike."""
-    from core.sampling import SamplingParams
-    from scheduler.request import FinishReason, GenerationRequest
-    from scheduler.scheduler import Scheduler, SchedulerConfig
-
     scheds, handles, probes = {}, {}, {}
     for v in variants:
-        sched = Scheduler(engines[v], tokenizer, SchedulerConfig(prefix_caching=False), stop_ids=stop_ids)
-        handles[v] = []
-        for i, (item, limit) in enumerate(zip(work, max_tokens, strict=True)):
-            constraint = None
-            if v != "unconstrained":
-                compiler, compiled = item["compilers"][v]
-                constraint = compiler.matcher(compiled)
-            request = GenerationRequest(prompt_ids=tuple(item["prompt"]), sampling=SamplingParams(temperature=0.0),
-                                        max_tokens=limit, ignore_eos=constraint is None, constraint=constraint,
-                                        seed=i)
-            handles[v].append(sched.submit(request))
+        scheds[v], handles[v] = submit_all(engines[v], tokenizer, v, work, max_tokens, stop_ids)
         probes[v] = StepProbe()
-        instruments.attach(sched, probes[v])
-        scheds[v] = sched
+        instruments.attach(scheds[v], probes[v])
     load_before = os.getloadavg()[0]
     begin = time.perf_counter()
-    iteration = 0
     try:
-        while True:
-            pending = [v for v in variants if not all(h.finished for h in handles[v])]
-            if not pending:
-                break
-            for v in pending if iteration % 2 == 0 else reversed(pending):
-                instruments.active = probes[v]
-                start = time.perf_counter()
-                scheds[v].step()
-                probes[v].iterations.append(time.perf_counter() - start)
-                instruments.active = None
-            iteration += 1
-            if iteration > 100_000:
-                raise RuntimeError("schedulers did not become idle")
+        alternate(scheds, handles, probes, variants, instruments)
     finally:
         instruments.detach_all()
     wall = time.perf_counter() - begin
@@ -419,68 +389,133 @@ def run_lockstep(engines: dict[str, Any], tokenizer: Any, variants: list[str], w
     results, outputs = {}, {}
     s = next(iter(engines.values())).num_slots
     for v in variants:
-        outs, texts, reasons, errors, tokens = [], [], Counter(), [], 0
-        valid = complete = 0
-        for item, handle in zip(work, handles[v], strict=True):
-            ids, text, fin = handle.result(timeout=0)
-            reasons[str(fin.reason)] += 1
-            tokens += fin.usage.completion_tokens
-            if fin.error:
-                errors.append(f"{item['entry'].name}: {fin.error}")
-            generated = list(ids)
-            if fin.usage.completion_tokens > len(ids):  # a stop token ends the output without a TokenEvent
-                generated.append(-1)
-            outs.append(generated)
-            texts.append(text)
-            if validate and v != "unconstrained" and fin.reason is FinishReason.STOP:
-                complete += 1
-                try:
-                    import jsonschema
-
-                    jsonschema.validate(json.loads(text), item["entry"].schema)
-                    valid += 1
-                except Exception:  # counted, not raised
-                    pass
+        got = collect(v, work, handles[v], validate)
         probe = probes[v]
-        busy = sum(probe.iterations)
-        steps = probe.steps
-        full = [st for st in steps if st["active"] == s]
-        decode_s = sum(st["total_s"] for st in steps)
-        decode_tokens = sum(st["active"] for st in steps)
-        results[v] = {
-            "variant": v,
-            "generated_tokens": tokens,
-            "busy_s": round(busy, 3),
-            "tokens_per_s": round(tokens / busy, 3),
-            "iterations": len(probe.iterations),
-            "decode_steps": len(steps),
-            "decode_steps_full_batch": len(full),
-            "decode_s": round(decode_s, 3),
-            "decode_tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s else None,
-            "prefill_and_rest_s": round(busy - decode_s, 3),
-            "prefill_chunks": scheds[v].stats.prefill_chunks,
-            "step_full_batch": {
-                "total": dist_ms([st["total_s"] for st in full], 1),
-                "dispatch": dist_ms([st["dispatch_s"] for st in full], 2),
-                "fill": dist_ms([st["fill_s"] for st in full], 2),
-                "sample_and_wait": dist_ms([st["sample_s"] for st in full], 1),
-            },
-            "fill_all_steps": dist_ms([st["fill_s"] for st in steps if st["rows"]], 2),
-            "fill_share_of_decode": round(sum(st["fill_s"] for st in steps) / decode_s, 4) if decode_s else None,
-            "first_token_fills": dist_ms(probe.prefill_fills, 2),
-            "finish_reasons": dict(reasons),
-            "errors": errors,
-            "iteration_ms": [round(t * 1e3, 1) for t in probe.iterations],
-            "step_fill_ms": [round(st["fill_s"] * 1e3, 2) for st in steps] if v != "unconstrained" else None,
-        }
+        results[v] = {"variant": v, "generated_tokens": got.tokens, **step_stats(probe, scheds[v], s, got.tokens),
+                      "finish_reasons": dict(got.reasons), "errors": got.errors,
+                      "iteration_ms": [round(t * 1e3, 1) for t in probe.iterations],
+                      "step_fill_ms": [round(st["fill_s"] * 1e3, 2) for st in probe.steps]
+                      if v != "unconstrained" else None}
         if validate and v != "unconstrained":
-            results[v]["completed_outputs"] = complete
-            results[v]["completed_outputs_valid"] = valid
-            results[v]["outputs_text"] = texts
-        outputs[v] = outs
+            results[v]["completed_outputs"] = got.complete
+            results[v]["completed_outputs_valid"] = got.valid
+            results[v]["outputs_text"] = got.texts
+        outputs[v] = got.outs
     meta = {"wall_s": round(wall, 3), "load_average_before": round(load_before, 2),
             "load_average_after": round(os.getloadavg()[0], 2)}
     return {"meta": meta, **results}, outputs
+
+
+def submit_all(engine: Any, tokenizer: Any, variant: str, work: list[dict[str, Any]], max_tokens: list[int],
+               stop_ids: frozenset[int]) -> tuple[Any, list[Any]]:
+    """A fresh Scheduler on ``engine`` (prefix caching off) with every request of ``work`` submitted, greedy:
+    constrained by the variant's grammar, or unconstrained with ignore_eos."""
+    from core.sampling import SamplingParams
+    from scheduler.request import GenerationRequest
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(engine, tokenizer, SchedulerConfig(prefix_caching=False), stop_ids=stop_ids)
+    handles = []
+    for i, (item, limit) in enumerate(zip(work, max_tokens, strict=True)):
+        constraint = None
+        if variant != "unconstrained":
+            compiler, compiled = item["compilers"][variant]
+            constraint = compiler.matcher(compiled)
+        request = GenerationRequest(prompt_ids=tuple(item["prompt"]),
+                                    sampling=SamplingParams(temperature=0.0, seed=i),
+                                    max_tokens=limit, ignore_eos=constraint is None, constraint=constraint)
+        handles.append(sched.submit(request))
+    return sched, handles
+
+
+def alternate(scheds: dict[str, Any], handles: dict[str, list[Any]], probes: dict[str, StepProbe],
+              variants: list[str], instruments: Instruments) -> None:
+    """Step the schedulers in turn, order reversed every iteration, until every request has finished."""
+    iteration = 0
+    while True:
+        pending = [v for v in variants if not all(h.finished for h in handles[v])]
+        if not pending:
+            return
+        for v in pending if iteration % 2 == 0 else reversed(pending):
+            instruments.active = probes[v]
+            start = time.perf_counter()
+            scheds[v].step()
+            probes[v].iterations.append(time.perf_counter() - start)
+            instruments.active = None
+        iteration += 1
+        if iteration > 100_000:
+            raise RuntimeError("schedulers did not become idle")
+
+
+@dataclass
+class VariantOutputs:
+    """What one variant's requests produced, in request order."""
+
+    outs: list[list[int]] = field(default_factory=list)  # generated ids, -1 where a stop token ended the output
+    texts: list[str] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+    tokens: int = 0
+    complete: int = 0  # validated runs: outputs that finished (STOP) ...
+    valid: int = 0  # ... and validate against their schema
+
+
+def collect(variant: str, work: list[dict[str, Any]], handles: list[Any], validate: bool) -> VariantOutputs:
+    """The finished requests' outputs; ``validate``: a constrained output that finished is checked against its
+    schema."""
+    from scheduler.request import FinishReason
+
+    got = VariantOutputs()
+    for item, handle in zip(work, handles, strict=True):
+        ids, text, fin = handle.result(timeout=0)
+        got.reasons[str(fin.reason)] += 1
+        got.tokens += fin.usage.completion_tokens
+        if fin.error:
+            got.errors.append(f"{item['entry'].name}: {fin.error}")
+        generated = list(ids)
+        if fin.usage.completion_tokens > len(ids):  # a stop token ends the output without a TokenEvent
+            generated.append(-1)
+        got.outs.append(generated)
+        got.texts.append(text)
+        if validate and variant != "unconstrained" and fin.reason is FinishReason.STOP:
+            got.complete += 1
+            try:
+                import jsonschema
+
+                jsonschema.validate(json.loads(text), item["entry"].schema)
+                got.valid += 1
+            except Exception:  # counted, not raised
+                pass
+    return got
+
+
+def step_stats(probe: StepProbe, sched: Any, slots: int, tokens: int) -> dict[str, Any]:
+    """One variant's iteration and decode-step timings (full-batch steps: all ``slots`` active)."""
+    busy = sum(probe.iterations)
+    steps = probe.steps
+    full = [st for st in steps if st["active"] == slots]
+    decode_s = sum(st["total_s"] for st in steps)
+    decode_tokens = sum(st["active"] for st in steps)
+    return {
+        "busy_s": round(busy, 3),
+        "tokens_per_s": round(tokens / busy, 3),
+        "iterations": len(probe.iterations),
+        "decode_steps": len(steps),
+        "decode_steps_full_batch": len(full),
+        "decode_s": round(decode_s, 3),
+        "decode_tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s else None,
+        "prefill_and_rest_s": round(busy - decode_s, 3),
+        "prefill_chunks": sched.stats.prefill_chunks,
+        "step_full_batch": {
+            "total": dist_ms([st["total_s"] for st in full], 1),
+            "dispatch": dist_ms([st["dispatch_s"] for st in full], 2),
+            "fill": dist_ms([st["fill_s"] for st in full], 2),
+            "sample_and_wait": dist_ms([st["sample_s"] for st in full], 1),
+        },
+        "fill_all_steps": dist_ms([st["fill_s"] for st in steps if st["rows"]], 2),
+        "fill_share_of_decode": round(sum(st["fill_s"] for st in steps) / decode_s, 4) if decode_s else None,
+        "first_token_fills": dist_ms(probe.prefill_fills, 2),
+    }
 
 
 def summarize_throughput(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
@@ -517,8 +552,9 @@ def summarize_throughput(rounds: list[dict[str, Any]], variants: list[str]) -> d
             "tokens_per_s_ratio": round(statistics.median(r["tokens_per_s"] for r in per_round), 4),
             "decode_tokens_per_s_ratio": round(statistics.median(r["decode_tokens_per_s"] for r in per_round), 4),
             "per_round": per_round,
-            "paired_iteration_ratio": {"p50": round(pct(step_ratios, 50), 4), "p10": round(pct(step_ratios, 10), 4),
-                                       "p90": round(pct(step_ratios, 90), 4), "n": len(step_ratios)},
+            "paired_iteration_ratio": {"p50": round(percentile(step_ratios, 0.5), 4),
+                                       "p10": round(percentile(step_ratios, 0.1), 4),
+                                       "p90": round(percentile(step_ratios, 0.9), 4), "n": len(step_ratios)},
             "paired_iteration_extra_ms_p50": round(extra_p50, 2) if extra_p50 is not None else None,
             "fill_p50_ms_in_step": fill,
             "note": "paired: iteration k of this variant vs iteration k of the unconstrained one in the same round "
@@ -527,268 +563,7 @@ def summarize_throughput(rounds: list[dict[str, Any]], variants: list[str]) -> d
     return out
 
 
-# ---- phase 3/4: replay (mask fill, forced tokens) -----------------------------------------------------------
-
-def replay(variant: str, compiled: list[tuple[Any, Any]], paths: list[list[int]], stop_ids: frozenset[int],
-           rows: int, words: int, forced: bool) -> dict[str, Any]:
-    """Replay generated token paths through fresh matchers; time fill_masks and (optionally) forced_tokens."""
-    import numpy as np
-
-    from scheduler.grammar import fill_masks
-
-    matchers = [compiler.matcher(c) for compiler, c in compiled]
-    many = np.full((rows, words), 0xFFFFFFFF, np.uint32)
-    one = np.full((1, words), 0xFFFFFFFF, np.uint32)
-    fill_all: list[tuple[int, int, float]] = []  # (position, live rows, seconds)
-    fill_one: list[tuple[int, float]] = []
-    ff_time: list[float] = []
-    at: list[list[tuple[list[int], int]]] = [[] for _ in paths]  # per path, per position: (forced, allowed)
-    rejected = []
-    longest = max(len(p) for p in paths)
-    for i in range(longest):
-        live = [(m, r) for r, (m, p) in enumerate(zip(matchers, paths, strict=True))
-                if i < len(p) and p[i] not in stop_ids and p[i] >= 0 and not m.is_finished() and m.error is None]
-        if not live:
-            break
-        start = time.perf_counter()
-        fill_masks(live, many)
-        fill_all.append((i, len(live), time.perf_counter() - start))
-        for m, r in live:
-            start = time.perf_counter()
-            fill_masks([(m, 0)], one)
-            fill_one.append((i, time.perf_counter() - start))
-            allowed = int(np.bitwise_count(one[0]).sum())
-            ff: list[int] = []
-            if forced:
-                start = time.perf_counter()
-                ff = list(m.forced_tokens())
-                ff_time.append(time.perf_counter() - start)
-            at[r].append((ff, allowed))
-        for m, r in live:
-            if not m.consume(paths[r][i]):
-                rejected.append({"row": r, "position": i, "error": m.error})
-    buckets = ((0, 4), (4, 16), (16, 10**9))
-
-    def bucketed(samples, pos):
-        out = {}
-        for lo, hi in buckets:
-            label = f"positions {lo}-{hi - 1}" if hi < 10**9 else f"positions {lo}+"
-            out[label] = dist_ms([t for p, t in samples if lo <= pos(p) < hi], 3)
-        return out
-
-    full_rows = [t for _, n, t in fill_all if n == rows]
-    return {
-        "variant": variant,
-        "paths": len(paths),
-        "path_lengths": [len(p) for p in paths],
-        "fill_rows_all_live": dist_ms(full_rows, 3),
-        "fill_rows_all_live_count": rows,
-        "fill_any_live": dist_ms([t for _, _, t in fill_all], 3),
-        "fill_one_row": dist_ms([t for _, t in fill_one], 3),
-        "fill_one_row_by_position": bucketed(fill_one, lambda p: p),
-        "fill_all_live_by_position": bucketed([(i, t) for i, n, t in fill_all if n == rows], lambda p: p),
-        "forced_tokens_call": dist_ms(ff_time, 3) if forced else None,
-        "rejected": rejected,
-        "_at": at,
-    }
-
-
-def forced_analysis(paths: list[list[int]], at: list[list[tuple[list[int], int]]], use_ff: bool) -> dict[str, Any]:
-    """Walk each output: tokens inside forced runs taken exactly as forced, other tokenizations, single-allowed."""
-    runs: list[tuple[int, bool]] = []  # (length, at the first position)
-    retokenized = 0
-    positions = single = ff_nonempty = 0
-    first_token_forced = 0
-    for path, marks in zip(paths, at, strict=True):
-        n = len(marks)
-        positions += n
-        single += sum(allowed == 1 for _, allowed in marks)
-        ff_nonempty += sum(bool(ff) for ff, _ in marks)
-        i = 0
-        while i < n:
-            ff = marks[i][0] if use_ff else ([path[i]] if marks[i][1] == 1 else [])
-            if ff and path[i:i + len(ff)] == ff:
-                if use_ff:
-                    runs.append((len(ff), i == 0))
-                    first_token_forced += i == 0
-                    i += len(ff)
-                    continue
-                # single-allowed: extend the run over consecutive single-allowed positions
-                j = i
-                while j < n and marks[j][1] == 1:
-                    j += 1
-                runs.append((j - i, i == 0))
-                first_token_forced += i == 0
-                i = j
-                continue
-            retokenized += bool(ff)
-            i += 1
-    forced_tokens = sum(n for n, _ in runs)
-    first = sum(n for n, at_first in runs if at_first)
-    return {
-        "method": "forced_tokens() fast-forward runs" if use_ff else "runs of positions where one token is allowed",
-        "positions": positions,
-        "forced_tokens": forced_tokens,
-        "forced_fraction": round(forced_tokens / positions, 4) if positions else None,
-        "runs": len(runs),
-        "run_lengths": dict(sorted(Counter(n for n, _ in runs).items())),
-        "runs_at_first_position": first_token_forced,
-        "forced_tokens_at_first_position": first,
-        "forced_fraction_after_first_position": round((forced_tokens - first) / positions, 4) if positions else None,
-        "forced_but_other_tokenization": retokenized,
-        "positions_forced_tokens_nonempty": ff_nonempty if use_ff else None,
-        "positions_single_allowed": single,
-        "single_allowed_fraction": round(single / positions, 4) if positions else None,
-        "_runs": runs,
-    }
-
-
-def time_payoff(engine: Any, extra: dict[int, Any], fills: dict[str, list[tuple[Any, int]]], reps: int,
-                warm: int) -> dict[str, Any]:
-    """Round robin, all blocking: decode step (+ greedy sample) with S and 1 active slots; masked/unmasked sample
-    alone; one prefill chunk per size; per backend, the mask fill of S mid-generation rows alone and between
-    the decode dispatch and the (masked) sample, as the scheduler does it."""
-    import jax
-    import numpy as np
-
-    s = engine.num_slots
-    words = -(-engine.cfg.vocab_size // 32)
-    zeros = np.zeros(s, np.int32)
-    positions = np.full(s, min(256, engine.max_len - 64), np.int32)
-    all_active = np.ones(s, bool)
-    one_active = np.zeros(s, bool)
-    one_active[0] = True
-    ones_mask = np.full((s, words), 0xFFFFFFFF, np.uint32)
-    logits = engine.decode(zeros, positions, all_active)
-    jax.block_until_ready(logits)
-
-    def step(active):
-        out = engine.decode(zeros, positions, active)
-        return engine.sample(out, active, zeros, None, needs_full=False)
-
-    chunk_engines = {size: engine for size in engine.config.chunk_sizes[:1]} | extra
-    jobs = {
-        f"decode_step_{s}_active": lambda: step(all_active),
-        "decode_step_1_active": lambda: step(one_active),
-        "sample_alone_unmasked": lambda: engine.sample(logits, all_active, zeros, None, needs_full=False),
-        "sample_alone_masked": lambda: engine.sample(logits, all_active, zeros, ones_mask, needs_full=False),
-    }
-    from scheduler.grammar import fill_masks
-
-    def step_with_fill(rows):
-        out = engine.decode(zeros, positions, all_active)
-        mask = np.full((s, words), 0xFFFFFFFF, np.uint32)
-        fill_masks(rows, mask)
-        return engine.sample(out, all_active, zeros, mask, needs_full=False)
-
-    def fill_alone(rows):
-        mask = np.full((s, words), 0xFFFFFFFF, np.uint32)
-        fill_masks(rows, mask)
-        return mask
-
-    for backend, rows in fills.items():
-        jobs[f"decode_step_{s}_active_with_fill_{backend}"] = partial(step_with_fill, rows)
-        jobs[f"fill_alone_{backend}"] = partial(fill_alone, rows)
-    tokens = np.arange(1, 9, dtype=np.int32) + 1000
-    for size, eng in sorted(chunk_engines.items()):
-        jobs[f"prefill_chunk_{size}"] = partial(eng.prefill_chunk, 1, tokens[:min(size, 8)], 64)
-    times: dict[str, list[float]] = {k: [] for k in jobs}
-    for rep in range(warm + reps):
-        for name, job in jobs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(job())
-            if rep >= warm:
-                times[name].append(time.perf_counter() - start)
-    return {name: dist_ms(v, 2) for name, v in times.items()}
-
-
-def matchers_midway(work: list[dict[str, Any]], variant: str, paths: list[list[int]], stop_ids: frozenset[int],
-                    ) -> list[tuple[Any, int]]:
-    """(matcher, row) per request, each advanced through the first half of its generated output."""
-    rows = []
-    for r, (item, path) in enumerate(zip(work, paths, strict=True)):
-        compiler, compiled = item["compilers"][variant]
-        matcher = compiler.matcher(compiled)
-        text = [t for t in path if t >= 0 and t not in stop_ids]
-        matcher.consume_tokens(text[:len(text) // 2])
-        rows.append((matcher, r))
-    return rows
-
-
-def payoff_estimate(all_runs: list[tuple[int, bool]], positions: int, timings: dict[str, Any], slots: int,
-                    chunk_sizes: list[int]) -> dict[str, Any]:
-    """Time saved by feeding each forced run after the first position (L tokens, plus the pending sampled token)
-    as one prefill chunk, feeding only runs that pay (per mode), relative to decoding every position. Runs at
-    the first position are counted apart: they can ride in the prompt's own prefill."""
-    runs = [n for n, at_first in all_runs if not at_first]
-    first = sum(n for n, at_first in all_runs if at_first)
-    d_s = timings[f"decode_step_{slots}_active"]["p50_ms"]
-    d_1 = timings["decode_step_1_active"]["p50_ms"]
-    chunks = {c: timings[f"prefill_chunk_{c}"]["p50_ms"] for c in sorted(chunk_sizes)
-              if f"prefill_chunk_{c}" in timings}
-
-    def chunk_for(n):
-        fitting = [c for c in chunks if c >= n]
-        return min(fitting) if fitting else None
-
-    out = {"decode_step_ms": {f"{slots}_active": d_s, "1_active": d_1}, "prefill_chunk_ms": chunks,
-           "first_position_tokens": first,
-           "first_position_fraction": round(first / positions, 4) if positions else None,
-           "mid_generation_runs": len(runs), "mid_generation_tokens": sum(runs)}
-    for label, per_token, gain in (
-        (f"batch_{slots}", d_s / slots, lambda L, p: L * d_s / slots - p),
-        ("single_stream", d_1, lambda L, p: (L + 1) * d_1 - p),
-    ):
-        saved = fed = fed_tokens = 0.0
-        for L in runs:
-            c = chunk_for(L + 1)
-            if c is None:
-                continue
-            g = gain(L, chunks[c])
-            if g > 0:
-                saved += g
-                fed += 1
-                fed_tokens += L
-        base = positions * per_token
-        out[label] = {
-            "break_even_run_length": {c: round((p * slots / d_s) if label != "single_stream" else (p / d_1 - 1), 2)
-                                      for c, p in chunks.items()},
-            "runs_fed": int(fed),
-            "tokens_fed": int(fed_tokens),
-            "time_saved_fraction": round(saved / base, 4) if base else None,
-        }
-    out["note"] = ("runs after the first position only (first-position runs can extend the prompt's prefill, "
-                   "often inside its padding). batch: a fed run adds one prefill chunk to its iteration while the "
-                   "batched step runs anyway for the other slots; gain = L * step/S - chunk. single stream: L+1 "
-                   "decode steps become one chunk; gain = (L+1) * step - chunk. Only runs with a positive gain "
-                   "are fed. time_saved_fraction is relative to decoding every generated position.")
-    return out
-
-
-# ---- driver -----------------------------------------------------------------------------------------------
-
-def source_info() -> dict[str, Any]:
-    def git(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
-            return out.stdout.strip() if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    commit = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "core", "scheduler") or ""
-    return {"git_commit": commit, "modified_tracked_files": [line[3:] for line in dirty.splitlines()]}
-
-
-def versions() -> dict[str, str | None]:
-    out = {}
-    for name in ("jax", "jaxlib", "llguidance", "outlines_core", "numpy"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
+# ---- driver: the phases in order -------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -837,42 +612,85 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from core.compile_cache import enable_compile_cache
-    from core.engine import Engine, EngineConfig
     from core.runtime import load_model
 
     if args.compile_cache:
         enable_compile_cache()
     backend = jax.default_backend()
     out = Path(args.out) if args.out else RESULTS / f"structured-{backend}.json"
-    argv_used = sys.argv[1:] if argv is None else argv
-    report: dict[str, Any] = {
-        "meta": {
-            "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": "python3 benchmarks/structured.py " + shlex.join(argv_used),
-            "argv": argv_used,
-            "source": source_info(),
-            "versions": versions(),
-            "python": platform.python_version(),
-            "backend": backend,
-            "device_kind": jax.devices()[0].device_kind,
-            "host_cpus": os.cpu_count(),
-            "load_average_at_start": list(os.getloadavg()),
-        },
-        "config": {k: (sorted(v) if isinstance(v, set) else list(v) if isinstance(v, tuple) else v)
-                   for k, v in vars(args).items()},
-    }
+    report = start_report(args, sys.argv[1:] if argv is None else argv, backend, jax.devices()[0].device_kind)
 
-    def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    def save() -> None:  # after every phase, so an interrupted run keeps what it measured
+        save_report(out, report, echo=False)
 
     log(f"backend {backend}: loading {args.model}")
     model = load_model(args.model, dtype=args.dtype)
     tok = model.tokenizer
     vocab = model.cfg.vocab_size
     report["meta"].update(model=args.model, dtype=model.dtype, load_s=round(model.load_seconds, 2), vocab_size=vocab)
+    specs, llg, admitted, oc = compile_phase(args, report, tok, vocab)
+    save()
+    if "throughput" in args.skip:
+        save_report(out, report)
+        return 0
 
-    # ---- phase 1 ----
+    constrained = [v for v in args.variants if v != "unconstrained"]
+    work = throughput_work(args, tok, vocab, constrained, specs, llg, admitted, oc)
+    report["throughput"] = {
+        "schemas": [{"schema": w["entry"].name, "prompt_tokens": len(w["prompt"]),
+                     "required": len(w["entry"].schema.get("required", [])), "compile_s": w["compile_s"]}
+                    for w in work],
+        "sampling": "greedy (temperature 0); unconstrained with ignore_eos; prefix caching off; one engine per "
+                    "variant, a fresh Scheduler per variant and round, Scheduler.step() of the variants alternating "
+                    "on the main thread (order reversed every iteration)",
+    }
+    log(f"throughput schemas: {[w['entry'].name for w in work]}")
+    engines = build_engines(args, model, report)
+    stop_ids = llg["compiler"].stop_ids
+    instruments = Instruments()
+    cal_outputs, lengths = calibrate(args, report, engines, tok, constrained, work, stop_ids, instruments)
+    save()
+    rounds = timed_rounds(args, report, engines, tok, work, lengths, stop_ids, instruments, save)
+    save()
+
+    forced_runs = replay_phase(report, constrained, work, cal_outputs, stop_ids, vocab)
+    save()
+    if "payoff" not in args.skip:
+        payoff_phase(args, report, model, engines["unconstrained"], constrained, work, cal_outputs, stop_ids,
+                     forced_runs)
+    report["meta"]["load_average_at_end"] = list(os.getloadavg())
+    save_report(out, report)
+    log(f"wrote {out}")
+    errors = sum(len(rnd[v]["errors"]) for rnd in rounds for v in args.variants)
+    return 1 if errors else 0
+
+
+def start_report(args: argparse.Namespace, argv_used: list[str], backend: str, device_kind: str) -> dict[str, Any]:
+    return {
+        "meta": {
+            "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": "python3 benchmarks/structured.py " + shlex.join(argv_used),
+            "argv": argv_used,
+            "source": source_info(),
+            "versions": versions(("jax", "jaxlib", "llguidance", "outlines_core", "numpy")),
+            "python": platform.python_version(),
+            "backend": backend,
+            "device_kind": device_kind,
+            "host_cpus": os.cpu_count(),
+            "host": host(),
+            "load_average_at_start": list(os.getloadavg()),
+        },
+        "config": {k: (sorted(v) if isinstance(v, set) else list(v) if isinstance(v, tuple) else v)
+                   for k, v in vars(args).items()},
+    }
+
+
+def compile_phase(args: argparse.Namespace, report: dict[str, Any], tok: Any, vocab: int,
+                  ) -> tuple[list[tuple[Any, SchemaEntry]], dict[str, Any], list[tuple[Any, SchemaEntry, int]],
+                             dict[str, Any] | None]:
+    """Phase 1: every vendored schema through llguidance, outlines-core's allowlist and (unless skipped) its
+    compile of a sample. Returns the distinct specs, llguidance's compiler and compiled grammars, the specs
+    outlines-core admits, and outlines-core's compiler (None when its compile phase is skipped)."""
     entries = load_schemas()
     specs = unique_specs(entries)
     log(f"compile: {len(entries)} schemas ({len(specs)} distinct) through llguidance")
@@ -889,27 +707,26 @@ def main(argv: list[str] | None = None) -> int:
         report["compile"]["outlines-core"].update(oc_report)
         log(f"outlines-core compile p50 {oc_report['compile'].get('p50_ms')} ms p99 "
             f"{oc_report['compile'].get('p99_ms')} ms over {oc_report['compiled']}")
-    save()
-    if "throughput" in args.skip:
-        print(json.dumps(report, indent=2))
-        return 0
+    return specs, llg, admitted, oc
 
-    # ---- phase 2 ----
-    constrained = [v for v in args.variants if v != "unconstrained"]
+
+def throughput_work(args: argparse.Namespace, tok: Any, vocab: int, constrained: list[str],
+                    specs: list[tuple[Any, SchemaEntry]], llg: dict[str, Any],
+                    admitted: list[tuple[Any, SchemaEntry, int]], oc: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Phase 2's requests: the schemas every constrained backend compiles (pick_schemas), each with its prompt
+    and, per backend, its compiler and compiled grammar."""
+    from scheduler.grammar import GrammarCompiler, UnsupportedConstraintError
+
     candidates = [(s, e) for s, e in specs if s in llg["compiled"]] if "llguidance" in constrained else specs
     if "outlines-core" in constrained:
         ok = {s for s, _, _ in admitted}
         candidates = [(s, e) for s, e in candidates if s in ok]
     chosen = pick_schemas(candidates, args.slots, args.schemas)
     if oc is None and "outlines-core" in constrained:
-        from scheduler.grammar import GrammarCompiler
-
         oc = {"compiler": GrammarCompiler(tok, "outlines-core", vocab_size=vocab, max_workers=1,
                                           compile_timeout_s=args.outlines_timeout_s)}
     compilers = {"llguidance": llg["compiler"], "outlines-core": oc["compiler"] if oc else None}
     work = []
-    from scheduler.grammar import UnsupportedConstraintError
-
     for spec, entry in chosen:
         item = {"entry": entry, "prompt": prompt_ids(tok, entry), "compilers": {}, "compile_s": {}}
         for v in constrained:
@@ -920,25 +737,27 @@ def main(argv: list[str] | None = None) -> int:
             item["compilers"][v] = (compilers[v], compiled)
             item["compile_s"][v] = round(compiled.compile_s, 4)
         work.append(item)
-    report["throughput"] = {
-        "schemas": [{"schema": w["entry"].name, "prompt_tokens": len(w["prompt"]),
-                     "required": len(w["entry"].schema.get("required", [])), "compile_s": w["compile_s"]}
-                    for w in work],
-        "sampling": "greedy (temperature 0); unconstrained with ignore_eos; prefix caching off; one engine per "
-                    "variant, a fresh Scheduler per variant and round, Scheduler.step() of the variants alternating "
-                    "on the main thread (order reversed every iteration)",
-    }
-    log(f"throughput schemas: {[w['entry'].name for w in work]}")
+    return work
+
+
+def build_engines(args: argparse.Namespace, model: Any, report: dict[str, Any]) -> dict[str, Any]:
+    """One engine per variant: one KV pool each (parameters shared), so that their iterations can alternate."""
+    from core.engine import Engine, EngineConfig
+
     config = EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=args.chunk_sizes)
     engines = {}
-    for v in args.variants:  # one KV pool per variant (parameters shared) so their iterations can alternate
+    for v in args.variants:
         engines[v] = Engine(model.cfg, model.params, config, model.dtype)
         report["meta"][f"engine_compile_s_{v}"] = round(engines[v].warmup(), 2)
         log(f"engine for {v} compiled in {report['meta'][f'engine_compile_s_{v}']} s")
-    engine = engines["unconstrained"]
-    stop_ids = llg["compiler"].stop_ids
-    instruments = Instruments()
+    return engines
 
+
+def calibrate(args: argparse.Namespace, report: dict[str, Any], engines: dict[str, Any], tok: Any,
+              constrained: list[str], work: list[dict[str, Any]], stop_ids: frozenset[int],
+              instruments: Instruments) -> tuple[dict[str, list[list[int]]], list[int]]:
+    """The constrained variants at --max-tokens, outputs validated. Returns their outputs (replayed in phases
+    3 and 4) and each request's timed length: the shortest any backend produced (or --max-tokens)."""
     cal, cal_outputs = run_lockstep(engines, tok, constrained, work, [args.max_tokens] * len(work), stop_ids,
                                     instruments, validate=True)
     for v in constrained:
@@ -950,8 +769,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lengths = [args.max_tokens] * len(work)
     report["throughput"]["max_tokens_per_request"] = lengths
-    save()
+    return cal_outputs, lengths
 
+
+def timed_rounds(args: argparse.Namespace, report: dict[str, Any], engines: dict[str, Any], tok: Any,
+                 work: list[dict[str, Any]], lengths: list[int], stop_ids: frozenset[int], instruments: Instruments,
+                 save: Any) -> list[dict[str, Any]]:
+    """--rounds timed rounds of every variant at the calibrated lengths (saved after each); then whether each
+    variant's outputs repeat across rounds, and the summary."""
     rounds: list[dict[str, Any]] = []
     reference: dict[str, list[list[int]]] = {}
     identical = {v: True for v in args.variants}
@@ -977,12 +802,17 @@ def main(argv: list[str] | None = None) -> int:
     report["throughput"]["matched_lengths_ok"] = all(
         rnd[v]["generated_tokens"] == sum(lengths) for rnd in rounds for v in args.variants)
     report["throughput"]["summary"] = summarize_throughput(rounds, args.variants)
-    save()
+    return rounds
 
-    # ---- phases 3 and 4 ----
+
+def replay_phase(report: dict[str, Any], constrained: list[str], work: list[dict[str, Any]],
+                 cal_outputs: dict[str, list[list[int]]], stop_ids: frozenset[int], vocab: int,
+                 ) -> dict[str, tuple[list[tuple[int, bool]], int]]:
+    """Phases 3 and 4 on the calibration outputs: mask fill replayed, forced runs counted. Returns, per
+    backend, the forced runs and the positions walked (for the payoff estimate)."""
     words = -(-vocab // 32)
     report["mask_fill"], report["forced"] = {}, {}
-    forced_runs: dict[str, tuple[list[int], int]] = {}
+    forced_runs: dict[str, tuple[list[tuple[int, bool]], int]] = {}
     for v in constrained:
         paths = cal_outputs[v]
         compiled = [w["compilers"][v] for w in work]
@@ -1000,27 +830,29 @@ def main(argv: list[str] | None = None) -> int:
         log(f"mask fill {v}: {len(work)} rows p50 {rep['fill_rows_all_live'].get('p50_ms')} ms p99 "
             f"{rep['fill_rows_all_live'].get('p99_ms')} ms; 1 row p50 {rep['fill_one_row'].get('p50_ms')} ms p99 "
             f"{rep['fill_one_row'].get('p99_ms')} ms; forced {next(iter(analyses.values()))['forced_fraction']}")
-    save()
-    if "payoff" not in args.skip:
-        extra = {}
-        for size in args.extra_chunks:
-            if size not in args.chunk_sizes:
-                extra[size] = Engine(model.cfg, model.params,
-                                     EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=(size,)),
-                                     model.dtype)
-        fills = {v: matchers_midway(work, v, cal_outputs[v], stop_ids) for v in constrained}
-        timings = time_payoff(engine, extra, fills, args.payoff_reps, warm=1)
-        report["forced"]["timings"] = timings
-        sizes = [args.chunk_sizes[0], *extra]
-        for v, (runs_list, positions) in forced_runs.items():
-            report["forced"][v]["payoff"] = payoff_estimate(runs_list, positions, timings, args.slots, sizes)
-        log(f"payoff timings: { {k: t.get('p50_ms') for k, t in timings.items()} }")
-    report["meta"]["load_average_at_end"] = list(os.getloadavg())
-    save()
-    print(json.dumps(report, indent=2))
-    log(f"wrote {out}")
-    errors = sum(len(rnd[v]["errors"]) for rnd in rounds for v in args.variants)
-    return 1 if errors else 0
+    return forced_runs
+
+
+def payoff_phase(args: argparse.Namespace, report: dict[str, Any], model: Any, engine: Any, constrained: list[str],
+                 work: list[dict[str, Any]], cal_outputs: dict[str, list[list[int]]], stop_ids: frozenset[int],
+                 forced_runs: dict[str, tuple[list[tuple[int, bool]], int]]) -> None:
+    """Phase 4's payoff: decode steps and prefill chunks timed round robin (--extra-chunks on engines of their
+    own, sharing the parameters), then what feeding each backend's forced runs as chunks would save."""
+    from core.engine import Engine, EngineConfig
+
+    extra = {}
+    for size in args.extra_chunks:
+        if size not in args.chunk_sizes:
+            extra[size] = Engine(model.cfg, model.params,
+                                 EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=(size,)),
+                                 model.dtype)
+    fills = {v: matchers_midway(work, v, cal_outputs[v], stop_ids) for v in constrained}
+    timings = time_payoff(engine, extra, fills, args.payoff_reps, warm=1)
+    report["forced"]["timings"] = timings
+    sizes = [args.chunk_sizes[0], *extra]
+    for v, (runs_list, positions) in forced_runs.items():
+        report["forced"][v]["payoff"] = payoff_estimate(runs_list, positions, timings, args.slots, sizes)
+    log(f"payoff timings: { {k: t.get('p50_ms') for k, t in timings.items()} }")
 
 
 if __name__ == "__main__":

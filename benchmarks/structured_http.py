@@ -29,8 +29,6 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,8 +42,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import host, wait_healthy  # noqa: E402 - after the path set-up that makes it importable
-from benchmarks.http_load import default_gguf, stop_process  # noqa: E402
+from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
+    bench_server,
+    child_process,
+    default_gguf,
+    free_port,
+    git_commit,
+    host,
+    llama_command,
+    save_report,
+    wait_healthy,
+)
 
 SUITE = ROOT / "tests" / "data" / "json-schema" / "jsonschemabench-sample"
 TOOLS = [
@@ -60,30 +67,10 @@ TOOLS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tree: Path, port: int, max_tokens: int, model_settings: str = "") -> subprocess.Popen:
-    """`slotserve serve` from ``tree``: default model, 8 slots x 2048; ``model_settings``: more YAML lines
-    of the model section."""
-    config = Path(tempfile.mkdtemp()) / "bench.yaml"
-    config.write_text(f"model:\n  slots: 8\n  max_len: 2048\n  chunk_sizes: [32, 128, 512]\n{model_settings}"
-                      f"limits:\n  max_tokens: {max_tokens}\nserver:\n  port: {port}\n  log_level: warning\n")
-    code = "import sys; from server.cli import main; sys.exit(main())"
-    return subprocess.Popen([sys.executable, "-c", code, "serve", "--config", str(config)], cwd=tree,
-                            env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-
-
-def start_llama(binary: str, port: int, concurrency: int, max_tokens: int, log_path: Path) -> subprocess.Popen:
+def llama_cmd(binary: str, port: int, concurrency: int, max_tokens: int) -> list[str]:
     """llama.cpp's server on the default GGUF: one 2048-token context per parallel slot, like ours."""
-    cmd = [binary, "-m", default_gguf(), "-np", str(concurrency), "-c", str(concurrency * 2048), "-n",
-           str(max_tokens), "-t", str(os.cpu_count() or 2), "--jinja", "--port", str(port), "--host", "127.0.0.1"]
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return llama_command(binary, default_gguf(), port, "-np", str(concurrency), "-c", str(concurrency * 2048), "-n",
+                         str(max_tokens), "-t", str(os.cpu_count() or 2), "--jinja")
 
 
 def for_llama(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -206,8 +193,7 @@ def main() -> None:
     requests = (schema_requests(args.schemas, args.seed, args.max_tokens, args.temperature)
                 + tool_requests(args.max_tokens, args.temperature))
     requests = [{**req, "body": {**req["body"], **args.extra}} for req in requests]
-    tree_commit = subprocess.run(["git", "-C", str(args.tree), "rev-parse", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip()
+    tree_commit = git_commit(args.tree) or ""
     common = {"tree_commit": tree_commit, "host": host(), "temperature": args.temperature, "extra": args.extra}
     runs = {args.label: {"label": args.label, "server": "slotserve", **common, **measure_ours(args, requests)}}
     if args.llama_server:
@@ -221,7 +207,7 @@ def main() -> None:
         "workload": f"{args.schemas} JSONSchemaBench schemas (seed {args.seed}) + 12 tool calls, max_tokens "
                     f"{args.max_tokens}, temperature per run, {args.concurrency} in flight, default model via HTTP"})
     report.setdefault("runs", {}).update(runs)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    save_report(args.out, report, echo=False, indent=1)
     for run in runs.values():
         print(json.dumps({k: v for k, v in run.items() if k != "results"}, indent=1))
 
@@ -229,15 +215,12 @@ def main() -> None:
 def measure_ours(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.tree.resolve(), port, args.max_tokens)
-    try:
-        ready_s = wait_healthy(url, proc, Path("(no log kept)"), "/ready", 1200, every_program=True)
+    with bench_server(args.tree.resolve(), port, args.max_tokens) as proc:
+        ready_s = wait_healthy(url, proc, None, "/ready", 1200, every_program=True)
         begin = time.perf_counter()
         results = asyncio.run(run_all(url, requests, args.concurrency))
         wall = time.perf_counter() - begin
         masks = mask_metrics(url)
-    finally:
-        stop_process(proc, 60)
     return {"ready_s": round(ready_s, 1), "wall_s": round(wall, 1), **outcomes(results), "mask": masks,
             "results": results}
 
@@ -247,14 +230,12 @@ def measure_llama(args: argparse.Namespace, requests: list[dict[str, Any]]) -> d
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="structured-llama-") as tmp:
         log_path = Path(tmp) / "llama-server.log"
-        proc = start_llama(args.llama_server, port, args.concurrency, args.max_tokens, log_path)
-        try:
+        cmd = llama_cmd(args.llama_server, port, args.concurrency, args.max_tokens)
+        with child_process(cmd, log_path=log_path) as proc:
             ready_s = wait_healthy(url, proc, log_path, "/health", 600)
             begin = time.perf_counter()
             results = asyncio.run(run_all(url, requests, args.concurrency))
             wall = time.perf_counter() - begin
-        finally:
-            stop_process(proc, 60)
     return {"ready_s": round(ready_s, 1), "wall_s": round(wall, 1), **outcomes(results), "results": results}
 
 
