@@ -43,9 +43,9 @@ def turn(system, seed: int, n: int = 5, **kw) -> GenerationRequest:
 
 def test_own_slot_resumes_the_conversation(engine, tokenizer):
     sched = make(engine, tokenizer)
-    first = turn(SYSTEM, 2, session="s")
+    first = turn(SYSTEM, 2, affinity="s")
     out1 = run_all(sched, [first])[0][0]
-    second = request(first.prompt_ids + tuple(out1) + ids(3, 4), session="s")
+    second = request(first.prompt_ids + tuple(out1) + ids(3, 4), affinity="s")
     out2, _, fin = run_all(sched, [second])[0]
     assert fin.usage.cached_tokens == len(first.prompt_ids) + len(out1) - 1
     assert sched.kv.stats.slot_reuses == 1 and sched.kv.stats.device_copies == 0
@@ -57,7 +57,7 @@ def test_another_slot_serves_a_prefix_it_passed_more_than_a_window_ago(engine, t
     """Session a's slot has moved 2 windows past the system prompt (and may still be decoding); session b's
     request copies the system prompt from it."""
     sched = make(engine, tokenizer)
-    a = turn(SYSTEM, 4, n=WINDOW, max_tokens=2 * WINDOW, session="a")
+    a = turn(SYSTEM, 4, n=WINDOW, max_tokens=2 * WINDOW, affinity="a")
     handle_a = sched.submit(a)
     if busy:
         for _ in range(8):
@@ -65,7 +65,7 @@ def test_another_slot_serves_a_prefix_it_passed_more_than_a_window_ago(engine, t
     else:
         sched.run_until_idle()
     assert sched.slots[0].held > SYSTEM_LEN + WINDOW
-    b = turn(SYSTEM, 5, session="b")
+    b = turn(SYSTEM, 5, affinity="b")
     out_b, _, fin_b = run_all(sched, [b])[0]
     assert sched.kv.stats.device_copies == 1 and fin_b.usage.cached_tokens == SYSTEM_LEN
     assert out_b == cold(engine, tokenizer, b)
@@ -74,11 +74,11 @@ def test_another_slot_serves_a_prefix_it_passed_more_than_a_window_ago(engine, t
 
 def test_the_host_tier_serves_a_prefix_of_an_evicted_conversation(engine, tokenizer):
     sched = make(engine, tokenizer)
-    run_all(sched, [turn(SYSTEM, 6, n=WINDOW, session="a")])
-    others = [request(ids(100 + i, 20), session=f"other{i}", agent="other") for i in range(SLOTS)]
+    run_all(sched, [turn(SYSTEM, 6, n=WINDOW, affinity="a")])
+    others = [request(ids(100 + i, 20), affinity=f"other{i}", group="other", cache_scope="other") for i in range(SLOTS)]
     run_all(sched, others)  # every slot now holds another agent's session: a's was saved to the host
     assert sched.kv.stats.host_saves >= 1 and all(slot.scope != ("default", None) for slot in sched.slots)
-    b = turn(SYSTEM, 7, session="b")
+    b = turn(SYSTEM, 7, affinity="b")
     out_b, _, fin_b = run_all(sched, [b])[0]
     assert sched.kv.stats.host_restores == 1 and fin_b.usage.cached_tokens == SYSTEM_LEN
     assert out_b == cold(engine, tokenizer, b)
@@ -87,7 +87,7 @@ def test_the_host_tier_serves_a_prefix_of_an_evicted_conversation(engine, tokeni
 def test_a_new_system_prompt_sent_by_four_sessions_at_once_is_computed_once(engine, tokenizer):
     sched = make(engine, tokenizer)
     system = ids(8, 5 * WINDOW)
-    reqs = [turn(system, 10 + i, session=f"s{i}") for i in range(4)]
+    reqs = [turn(system, 10 + i, affinity=f"s{i}") for i in range(4)]
     results = run_all(sched, reqs)
     assert sched.kv.stats.in_flight_waits == 3
     assert sched.stats.prefill_tokens == len(system) + 4 * 5
@@ -106,14 +106,15 @@ def test_the_same_request_twice_recomputes_only_its_last_token(engine, tokenizer
 
 
 def test_no_reuse_across_agents_or_cache_salts(engine, tokenizer):
+    """Cache scopes as agents.service makes them, (agent, cache salt): KV is shared only within one."""
     sched = make(engine, tokenizer)
     prompt = SYSTEM + ids(13, 5)
-    base = run_all(sched, [request(prompt, agent="x")])[0]
-    for kw in ({"agent": "y"}, {"agent": "x", "cache_salt": "tenant-b"}):
-        out, _, fin = run_all(sched, [request(prompt, **kw)])[0]
-        assert fin.usage.cached_tokens == 0 and out == base[0], kw
+    base = run_all(sched, [request(prompt, cache_scope=("x", None))])[0]
+    for scope in (("y", None), ("x", "tenant-b")):
+        out, _, fin = run_all(sched, [request(prompt, cache_scope=scope)])[0]
+        assert fin.usage.cached_tokens == 0 and out == base[0], scope
     assert sched.kv.stats.device_copies == 0 and sched.kv.stats.host_restores == 0
-    out, _, fin = run_all(sched, [request(prompt, agent="x", cache_salt="tenant-b")])[0]
+    out, _, fin = run_all(sched, [request(prompt, cache_scope=("x", "tenant-b"))])[0]
     assert fin.usage.cached_tokens == len(prompt) - 1  # the same salt shares
 
 
@@ -145,19 +146,20 @@ def test_a_prompt_resumed_at_any_split_gives_the_cold_tokens_and_logprobs_bit_fo
     """A request whose prompt starts with what an earlier request left (a prefix ending at a split point)
     reuses it from a slot (in place or copied), the host tier or a wait for its in-flight prefill, and streams exactly
     the cold run's tokens and logprobs: float equality, not closeness."""
-    final = request(PROMPT, max_tokens=5, want_logprobs=True, session="b")
+    final = request(PROMPT, max_tokens=5, want_logprobs=True, affinity="b")
     want = cold_logprobs(exact_engine, tokenizer, final)
     assert all(lp is not None for _, lp in want)
     for split in SPLITS[path]:
         sched = make(exact_engine, tokenizer)
-        first = request(PROMPT[:split], max_tokens=1, session="a")
+        first = request(PROMPT[:split], max_tokens=1, affinity="a")
         if path == "in-flight":
             sched.submit(first)
             handle = sched.submit(final)
         else:
             run_all(sched, [first])
             if path == "host-tier":
-                run_all(sched, [request(ids(200 + i, 12), session=f"o{i}", agent="other") for i in range(SLOTS)])
+                run_all(sched, [request(ids(200 + i, 12), affinity=f"o{i}", group="other", cache_scope="other")
+                                for i in range(SLOTS)])
             handle = sched.submit(final)
         sched.run_until_idle()
         got, fin = token_logprobs(handle)
