@@ -29,12 +29,11 @@ from fractions import Fraction
 from functools import reduce
 from typing import Any
 
-from scheduler.strict_schema import MAX_INTEGER
+from scheduler.strict_schema import FRACTION_DIGITS, MAX_INTEGER
 
 Value = str | Decimal | bytes  # a string's text, a number's value, a literal's spelling (b"true", b"null")
 LITERALS = {"boolean": (b"true", b"false"), "null": (b"null",)}
 SCALAR_KINDS = frozenset({"string", "number", "integer", "boolean", "null"})
-STRICT_FRACTION_DIGITS = 9  # strict_schema.FRACTION_DIGITS' largest count
 _NUMBER_PREFIX = re.compile(r"-?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?(?:e[-+]?[0-9]*)?)?")
 _PRECISION = 80  # decimal digits for the bound arithmetic: 17-digit bounds times 10^9 grids fit exactly
 
@@ -350,7 +349,7 @@ def _step(multiple: Any, integer: bool, strict: bool) -> Decimal | None | bool:
     or a fraction on a number (llguidance's multiples of 0.25 between -0.5 and 1 leave out -0.5, so its
     language is not the schema's and a look-ahead from the schema could lead it to a dead end)."""
     if multiple is None:
-        return Decimal(1) if integer else (Decimal(10) ** -STRICT_FRACTION_DIGITS if strict else None)
+        return Decimal(1) if integer else (Decimal(10) ** -max(FRACTION_DIGITS) if strict else None)
     if isinstance(multiple, bool) or not isinstance(multiple, int | float) or multiple <= 0:
         return False
     ratio = Fraction(str(multiple))
