@@ -260,8 +260,7 @@ def time_decode(engines: list[Any], context: int, active_count: int, steps: int,
         positions = np.where(active, start + i, 0).astype(np.int32)
         for j, engine in enumerate(engines):
             begin = time.perf_counter()
-            logits = engine.decode(tokens[j], positions, active)
-            result = engine.sample(logits, active, generated[j], needs_full=False)  # host copy: the sync point
+            result = serving_step(engine, tokens[j], positions, active, generated[j])
             elapsed = time.perf_counter() - begin
             tokens[j] = np.where(active & (result.tokens >= 0), result.tokens, 0).astype(np.int32)
             generated[j] += active
@@ -269,6 +268,47 @@ def time_decode(engines: list[Any], context: int, active_count: int, steps: int,
                 times[j].append(elapsed)
     return [{"context": context, "first_position": start, "active_slots": active_count,
              **summarize(t, active_count)} for t in times]
+
+
+def serving_step(engine: Any, tokens: Any, positions: Any, active: Any, generated: Any) -> Any:
+    """decode + sample (plain temperature sampling) as the scheduler runs an unconstrained step: in one
+    program where the engine has it (`Engine.decode_sample`), else two calls. The host copy syncs."""
+    if engine.fused_ready(positions, False):
+        return engine.decode_sample(tokens, positions, active, generated, needs_full=False)
+    return engine.sample(engine.decode(tokens, positions, active), active, generated, needs_full=False)
+
+
+def time_fused(engine: Any, context: int, steps: int, warm: int) -> dict[str, Any]:
+    """All slots active, alternating step by step: decode then sample as two calls vs the fused program;
+    and whether one step from the same state gives the same tokens and logprobs both ways."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    s = engine.num_slots
+    active, tokens = np.ones(s, bool), np.full(s, 818, np.int32)
+    start = max(0, min(context, engine.max_len - 1 - warm - steps))
+    saved = jax.tree_util.tree_map(jnp.copy, (engine.cache, engine.sampler))
+    positions, generated = np.full(s, start, np.int32), np.zeros(s, np.int32)
+    two = engine.sample(engine.decode(tokens, positions, active), active, generated, needs_full=False)
+    engine.cache, engine.sampler = saved
+    one = engine.decode_sample(tokens, positions, active, generated, needs_full=False)
+    same = all(np.array_equal(getattr(one, k), getattr(two, k)) for k in ("tokens", "logprobs", "top_logprobs"))
+    times: dict[str, list[float]] = {"separate": [], "fused": []}
+    for i in range(warm + steps):
+        positions, generated = np.full(s, start + i, np.int32), np.full(s, i, np.int32)
+        for path in times:
+            begin = time.perf_counter()
+            if path == "fused":
+                engine.decode_sample(tokens, positions, active, generated, needs_full=False)
+            else:
+                engine.sample(engine.decode(tokens, positions, active), active, generated, needs_full=False)
+            if i >= warm:
+                times[path].append(time.perf_counter() - begin)
+    summary = {path: summarize(t, s) for path, t in times.items()}
+    return {"context": context, "active_slots": s, "bit_identical": bool(same),
+            **{f"{path}_ms_{k}": summary[path][f"ms_{k}"] for path in times for k in ("p50", "mean", "min")},
+            "fused_over_separate_p50": round(summary["fused"]["ms_p50"] / summary["separate"]["ms_p50"], 3)}
 
 
 def time_breakdown(engines: list[Any], context: int, steps: int, warm: int) -> list[dict[str, Any]]:
@@ -395,7 +435,8 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
                    "param_bytes": param_bytes(params),
                    "param_count": sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))})
     config = EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=args.chunk_sizes,
-                          kv_dtype=kv_dtype, attention_buckets=args.attention_buckets, verify_width=args.verify_width)
+                          kv_dtype=kv_dtype, attention_buckets=args.attention_buckets, verify_width=args.verify_width,
+                          fused_sampling={"auto": None, "on": True, "off": False}[args.fused_sampling])
     engine = Engine(cfg, params, config, dtype)
     kv_total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(engine.cache))
     result.update({"bytes_per_slot": engine.bytes_per_slot, "kv_total_bytes": kv_total,
@@ -439,6 +480,12 @@ def measure(args: argparse.Namespace, engines: list[Any], results: list[dict[str
             result["breakdown"] = entry
             log(f"{label}: decode alone {entry['decode_only_ms_p50']:.2f} ms, "
                 f"sample alone {entry['sample_only_ms_p50']:.2f} ms")
+        save()
+        for label, result, engine in zip(labels, results, engines, strict=True):
+            if engine.fused_sampling:
+                result["fused_sampling"] = entry = time_fused(engine, args.contexts[-1], args.steps, args.warm_steps)
+                log(f"{label}: decode + sample {entry['separate_ms_p50']:.2f} ms as two calls, "
+                    f"{entry['fused_ms_p50']:.2f} ms fused (bit-identical: {entry['bit_identical']})")
         save()
     if args.prefill_chunks:
         for label, result, entries in zip(labels, results, time_prefill(
@@ -493,7 +540,8 @@ def metadata(args: argparse.Namespace, compute_dtype: str, dtype_reason: str) ->
         "verify_width": args.verify_width,
         "steps": args.steps,
         "warm_steps": args.warm_steps,
-        "sampler": f"engine.sample(needs_full=False), temperature {args.temperature}, in the timed step",
+        "sampler": f"plain sampling (needs_full=False), temperature {args.temperature}, in the timed step: "
+                   "one fused program where the engine has it (serving_step), else engine.decode + engine.sample",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "compile_cache": args.compile_cache,
     }
@@ -558,6 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "from 1024); fewer buckets compile fewer programs")
     p.add_argument("--verify-width", type=int, default=None,
                    help="speculative verify width (default: the engine's; 0 compiles no verify program)")
+    p.add_argument("--fused-sampling", choices=("auto", "on", "off"), default="auto",
+                   help="sample inside the decode program (EngineConfig.fused_sampling; auto: off on CPU only)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default: 16 on CPU, 100 otherwise)")
     p.add_argument("--warm-steps", type=int, default=2, help="untimed decode steps before each timing")
     p.add_argument("--prefill-chunks", type=int, default=None,

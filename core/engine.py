@@ -29,7 +29,7 @@ from core.weights import all_matmuls_integer
 log = logging.getLogger(__name__)
 # Programs that only speed up what other programs also do (a verify step is a few decode steps, a batched
 # prefill several single ones): a background warm-up compiles them after reporting ready.
-OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows")
+OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "decode_sample_full")
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
 
@@ -55,6 +55,11 @@ class EngineConfig:
     # weights and int8 KV) and XLA's float kernels computing a row alike in both shapes, which holds on some
     # CPUs and not on others (docs/design-notes.md), so it is opt-in. 0 or 1: no program.
     rows_verify_width: int = 0
+    # Decode and sample in one program for steps with no constrained row: one dispatch instead of two and the
+    # logits never leave the device (on an H200 the separate sampler cost ~1 ms of a ~5 ms E2B step). None: on
+    # for accelerators; off on CPU, where a step is ~100 ms, the saving is noise and each attention bucket would
+    # add two programs to compile at every start.
+    fused_sampling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
@@ -121,6 +126,8 @@ class Engine:
                                   and all_matmuls_integer(params))
         self.cache = init_cache(cfg, self.spec)
         self.buckets = config.bucket_lengths()
+        self.fused_sampling = (jax.default_backend() != "cpu" if config.fused_sampling is None
+                               else config.fused_sampling)
         # Decode and both verify steps read the sliding layers through one view length, so their rows
         # compute alike bit for bit (core.kv_cache.sliding_view_length).
         model = {"cfg": cfg, "view_width": max(config.verify_tokens, config.rows_verify_width, 1)}
@@ -145,8 +152,9 @@ class Engine:
     def _build_programs(self, model: dict[str, Any]) -> dict[ProgramKey, Program]:
         """Every compiled step, keyed by kind and the sizes that fix its shapes; `model` holds the cfg and
         view_width every model step is called with."""
-        def jit(name: str, fn: Callable[..., Any], donate: int | None = 1, **static: Any) -> Program:
-            donated = () if donate is None else (donate,)
+        def jit(name: str, fn: Callable[..., Any], donate: int | tuple[int, ...] | None = 1, **static: Any
+                ) -> Program:
+            donated = () if donate is None else donate if isinstance(donate, tuple) else (donate,)
             identity = f"{fn.__module__}.{fn.__qualname__}{sorted(static.items())!r}{donated}"
             return Program(name, jax.jit(partial(fn, **static), donate_argnums=donated), donated, identity,
                            self.program_store)
@@ -160,6 +168,11 @@ class Engine:
                 table["prefill", size, attend] = jit(f"prefill chunk {size} (attends {attend})", _prefill_step,
                                                      attend=attend, **model)
             table["decode", attend] = jit(f"decode step (attends {attend})", _decode_step, attend=attend, **model)
+            if self.fused_sampling:
+                for kind, needs_full in (("decode_sample", False), ("decode_sample_full", True)):
+                    table[kind, attend] = jit(f"decode + sampler{' full' if needs_full else ''} (attends {attend})",
+                                              _decode_sample_step, (1, 3), attend=attend, needs_full=needs_full,
+                                              **model)
             table["prefill_rows", attend] = jit(f"batched prefill {rows} x {self.row_chunk} (attends {attend})",
                                                 _prefill_rows_step, attend=attend, **model)
             if verify > 1:
@@ -198,6 +211,8 @@ class Engine:
             return params, cache, i32(rows, self.row_chunk), i32(2, rows)
         if kind == "decode":
             return params, cache, i32(3, rows)
+        if kind in ("decode_sample", "decode_sample_full"):
+            return params, cache, i32(3, rows), sampler, i32(rows), i32(rows)
         if kind == "verify":
             return params, cache, i32(1, self.config.verify_tokens), i32(3)
         if kind == "verify_rows":
@@ -321,6 +336,22 @@ class Engine:
                            np.asarray(active, np.int32)])
         logits, self.cache = self.programs["decode", self.bucket_for(packed[1])](self.params, self.cache, packed)
         return logits
+
+    def fused_ready(self, positions: np.ndarray, needs_full: bool) -> bool:
+        """Whether `decode_sample` can run a step at these positions now (its program exists and is compiled)."""
+        return self.compiled_for(_fused_kind(needs_full), positions)
+
+    def decode_sample(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray, steps: np.ndarray,
+                      needs_full: bool = True, dry_limits: np.ndarray | None = None) -> SampleResult:
+        """`decode` then `sample` with no mask, as one program (check `fused_ready` first): the same tokens,
+        logprobs and sampler state bit for bit as the two calls."""
+        packed = np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
+                           np.asarray(active, np.int32)])
+        limits = np.zeros(self.num_slots, np.int32) if dry_limits is None else np.asarray(dry_limits, np.int32)
+        program = self.programs[_fused_kind(needs_full), self.bucket_for(packed[1])]
+        *result, self.cache, self.sampler = program(self.params, self.cache, packed, self.sampler,
+                                                    np.asarray(steps, np.int32), limits)
+        return SampleResult(*jax.device_get(result))
 
     def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> list[int]:
         """One greedy speculative step for one slot holding positions 0..start-1: tokens = [its last generated
@@ -486,6 +517,21 @@ def _prefill_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, att
 def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int):
     tokens, positions, active = packed[0], packed[1], packed[2]
     return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width)
+
+
+def _fused_kind(needs_full: bool) -> str:
+    return "decode_sample_full" if needs_full else "decode_sample"
+
+
+def _decode_sample_step(params, cache, packed, sampler: SamplerState, steps, limits, *, cfg, view_width: int,
+                        attend: int, needs_full: bool):
+    logits, cache = _decode_step(params, cache, packed, cfg=cfg, view_width=view_width, attend=attend)
+    # The barrier keeps the logits computed as the decode program computes them (nothing of the sampler fused
+    # into the model's last ops), so a row samples the same bits whichever path its step took.
+    logits = jax.lax.optimization_barrier(logits)
+    *result, sampler = sample(logits, sampler, None, steps, packed[2] != 0, limits, num_top=MAX_LOGPROBS,
+                              needs_full=needs_full)
+    return (*result, cache, sampler)
 
 
 def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -> jax.Array:

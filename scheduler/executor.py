@@ -3,7 +3,8 @@
 Order within an iteration: cache operations (each planned against the slots as the previous ones left them),
 sampling state for newly admitted sequences, the batched prefill, single-slot prefill chunks, then one decode
 or verify step. Grammar masks for constrained rows are filled on the host while the device computes the
-step they are for.
+step they are for; a decode step with no constrained row samples inside the decode program where the engine
+has one (`Engine.decode_sample`).
 """
 
 from __future__ import annotations
@@ -100,8 +101,13 @@ def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
         tokens[slot], positions[slot] = row.inputs[0], row.start
         steps[slot] = len(row.seq.generated)
         active[slot] = True
-    logits = engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
-    out.decoded = _sample_rows(engine, logits, [row.seq for row in plan.decode], steps, out)
+    seqs = [row.seq for row in plan.decode]
+    needs_full = batch_needs_full(seq.request.sampling for seq in seqs)
+    if all(seq.request.constraint is None for seq in seqs) and engine.fused_ready(positions, needs_full):
+        out.decoded = engine.decode_sample(tokens, positions, active, steps, needs_full, _dry_limits(engine, seqs))
+    else:
+        logits = engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
+        out.decoded = _sample_rows(engine, logits, seqs, steps, out)
     out.seconds["decode"] = time.perf_counter() - begin
 
 
@@ -111,9 +117,14 @@ def _sample_rows(engine: Engine, logits, seqs, steps: np.ndarray, out: StepOutco
     active = np.zeros(engine.num_slots, bool)
     active[[seq.slot for seq in seqs]] = True
     mask = constraint_masks(engine, [(seq, seq.slot) for seq in seqs], engine.num_slots, out)
-    dry_limits = np.zeros(engine.num_slots, np.int32)
+    return engine.sample(logits, active, steps, mask=mask, dry_limits=_dry_limits(engine, seqs),
+                         needs_full=batch_needs_full(seq.request.sampling for seq in seqs))
+
+
+def _dry_limits(engine: Engine, seqs: list[Sequence]) -> np.ndarray:
+    """[S]: each DRY sequence's repeat limit at its slot (others 0, ignored)."""
+    limits = np.zeros(engine.num_slots, np.int32)
     for seq in seqs:
         if seq.dry is not None:
-            dry_limits[seq.slot] = seq.dry.limit
-    return engine.sample(logits, active, steps, mask=mask, dry_limits=dry_limits,
-                         needs_full=batch_needs_full(seq.request.sampling for seq in seqs))
+            limits[seq.slot] = seq.dry.limit
+    return limits
