@@ -436,7 +436,7 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
                    "param_count": sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))})
     config = EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=args.chunk_sizes,
                           kv_dtype=kv_dtype, attention_buckets=args.attention_buckets, verify_width=args.verify_width,
-                          fused_sampling={"auto": None, "on": True, "off": False}[args.fused_sampling])
+                          fused_sampling=args.fused_sampling)
     engine = Engine(cfg, params, config, dtype)
     kv_total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(engine.cache))
     result.update({"bytes_per_slot": engine.bytes_per_slot, "kv_total_bytes": kv_total,
@@ -606,8 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "from 1024); fewer buckets compile fewer programs")
     p.add_argument("--verify-width", type=int, default=None,
                    help="speculative verify width (default: the engine's; 0 compiles no verify program)")
-    p.add_argument("--fused-sampling", choices=("auto", "on", "off"), default="auto",
-                   help="sample inside the decode program (EngineConfig.fused_sampling; auto: off on CPU only)")
+    p.add_argument("--fused-sampling", action="store_true",
+                   help="sample inside the decode program (EngineConfig.fused_sampling) and time it against two calls")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default: 16 on CPU, 100 otherwise)")
     p.add_argument("--warm-steps", type=int, default=2, help="untimed decode steps before each timing")
     p.add_argument("--prefill-chunks", type=int, default=None,

@@ -4,7 +4,8 @@
 #     background warm-up into an empty store, a restart reading every program back, the decode step compiled
 #     from its exported module bit-identical to direct lowering;
 #  2. the same comparison for the Gemma 4 E2B text tower (decode step only);
-#  3. the engine benchmark of the E2B tower at ctx 512 / 8191 (benchmarks/gpu_engine.sh).
+#  3. the engine benchmark of the E2B tower at ctx 512 / 8191 (benchmarks/gpu_engine.sh), with the fused
+#     decode + sampler program timed against two calls.
 # Random weights, bfloat16, 8 slots x 8192. Each step has its own time limit so one slow compile cannot lose
 # the others' results. Env: OUT (result folder, default benchmarks/results), PYTHON, STEPS (which of
 # "store e2b-export engine" to run), LIMIT_S (per step), SLOTSERVE_GIT_COMMIT (the commit, for the reports).
@@ -22,7 +23,7 @@ for step in ${STEPS:-store e2b-export engine}; do
              --buckets 1024,8192 --restart --steps 50 --out "$out/exported-programs-gpu-gemma3-270m.json" ;;
     e2b-export) timeout "$limit" "$py" benchmarks/exported_programs.py --config configs/models/gemma4-e2b.json \
                   --buckets 1024,8192 --steps 50 --out "$out/exported-programs-gpu-gemma4-e2b.json" ;;
-    engine) OUT=$out MODELS=gemma4-e2b LIMIT_S=$limit PYTHON=$py bash benchmarks/gpu_engine.sh ;;
+    engine) OUT=$out MODELS=gemma4-e2b LIMIT_S=$limit PYTHON=$py EXTRA=--fused-sampling bash benchmarks/gpu_engine.sh ;;
   esac >"$out/$step.log" 2>&1
   echo "$step: exit $? (log $out/$step.log)"
   tail -n 4 "$out/$step.log"

@@ -55,11 +55,12 @@ class EngineConfig:
     # weights and int8 KV) and XLA's float kernels computing a row alike in both shapes, which holds on some
     # CPUs and not on others (docs/design-notes.md), so it is opt-in. 0 or 1: no program.
     rows_verify_width: int = 0
-    # Decode and sample in one program for steps with no constrained row: one dispatch instead of two and the
-    # logits never leave the device (on an H200 the separate sampler cost ~1 ms of a ~5 ms E2B step). None: on
-    # for accelerators; off on CPU, where a step is ~100 ms, the saving is noise and each attention bucket would
-    # add two programs to compile at every start.
-    fused_sampling: bool | None = None
+    # Decode and sample in one program for steps with no constrained row: one dispatch instead of two, the
+    # logits never leave the device (the step a device-side token feedback would build on). Off: on an H200
+    # the sampler dispatched right after the decode already overlaps it (two calls 5.42 ms vs fused 5.77 ms per
+    # E2B step, benchmarks/results/engine-gpu-gemma4-e2b-fused.json), and on CPU each attention bucket would
+    # add two programs to compile at every start for a saving lost in a ~100 ms step.
+    fused_sampling: bool = False
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
@@ -126,8 +127,7 @@ class Engine:
                                   and all_matmuls_integer(params))
         self.cache = init_cache(cfg, self.spec)
         self.buckets = config.bucket_lengths()
-        self.fused_sampling = (jax.default_backend() != "cpu" if config.fused_sampling is None
-                               else config.fused_sampling)
+        self.fused_sampling = config.fused_sampling
         # Decode and both verify steps read the sliding layers through one view length, so their rows
         # compute alike bit for bit (core.kv_cache.sliding_view_length).
         model = {"cfg": cfg, "view_width": max(config.verify_tokens, config.rows_verify_width, 1)}

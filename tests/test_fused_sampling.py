@@ -1,4 +1,4 @@
-"""Sampling inside the decode program (`EngineConfig.fused_sampling`, on by default for accelerators): the
+"""Sampling inside the decode program (`EngineConfig.fused_sampling`, an option, off by default): the
 fused step gives the tokens, logprobs, top logprobs, sampler state and KV of a decode call followed by a sample
 call, bit for bit, in both sampler variants and with idle slots; the scheduler takes it for steps with no
 constrained row, and its outputs equal those of an engine without it."""
