@@ -60,6 +60,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,12 +277,44 @@ def session_worker(sched: Any, spec: SessionSpec, seps: dict[str, list[int]], ar
 
 def replay(engine: Any, tokenizer: Any, specs: list[SessionSpec], seps: dict[str, list[int]],
            args: argparse.Namespace, caching: bool, timers: EngineTimers | None) -> tuple[dict[str, Any], dict]:
+    """One run: every session through a fresh scheduler with prefix caching ``caching``. Returns the run's
+    figures and the generated ids of each (session, turn), by which runs are compared."""
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
     config = SchedulerConfig(prefill_budget=args.prefill_budget, max_waiting=args.max_waiting,
                              prefix_caching=caching, host_tier_bytes=args.host_tier_bytes,
                              min_snapshot_tokens=args.min_snapshot_tokens)
     sched = Scheduler(engine, tokenizer, config, stop_ids=frozenset(tokenizer.stop_ids))
+    records, begin, wall = run_sessions(sched, specs, seps, args, timers)
+    stats = sched.counters()
+    expected = len(specs) * args.turns
+    generated = sum(len(r.ids) for r in records)
+    result: dict[str, Any] = {
+        "prefix_caching": caching,
+        "requests": len(records),
+        "requests_expected": expected,
+        "errors": run_errors(records, expected),
+        "generated_tokens": generated,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(generated / wall, 3) if wall else None,
+        **consumer_latency(records),
+        **server_latency(records),
+        **prefill_figures(stats),
+        "scheduler_stats": stats,
+        "host_tier": sched.host.stats(),
+    }
+    if timers is not None:
+        result["engine_time"] = timers.report(wall)
+    result["requests_detail"] = requests_detail(records, begin)
+    outputs = {(r.session, r.turn): r.ids for r in records}
+    return result, outputs
+
+
+def run_sessions(sched: Any, specs: list[SessionSpec], seps: dict[str, list[int]], args: argparse.Namespace,
+                 timers: EngineTimers | None) -> tuple[list[TurnRecord], float, float]:
+    """Every session on its own consumer thread, all released at once after the engine loop has started.
+    Returns the turn records, the release time and the wall time up to the last token; the scheduler is
+    stopped on return."""
     records: list[TurnRecord] = []
     barrier = threading.Barrier(len(specs) + 1)
     threads = [threading.Thread(target=session_worker, args=(sched, spec, seps, args, barrier, records),
@@ -297,21 +330,67 @@ def replay(engine: Any, tokenizer: Any, specs: list[SessionSpec], seps: dict[str
         thread.join()
     end = max((r.token_times[-1] for r in records if r.token_times), default=time.perf_counter())
     sched.stop()
-    wall = end - begin
+    return records, begin, end - begin
 
+
+def run_errors(records: list[TurnRecord], expected: int) -> list[str]:
+    """One line per failed turn, and one for the turns a failure kept from being submitted."""
+    errors = [f"{r.session} turn {r.turn}: {r.error}" for r in records if r.error]
+    if len(records) < expected:
+        errors.append(f"{expected - len(records)} turns never submitted (an earlier turn of their session failed)")
+    return errors
+
+
+def consumer_latency(records: list[TurnRecord]) -> dict[str, Any]:
+    """TTFT and inter-token latency as the consumer threads stamped them (see the module docstring)."""
     ttft = [r.token_times[0] - r.submitted for r in records if r.token_times]
     itl, same_delivery = [], 0
     for r in records:
         itl.extend(b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False))
         same_delivery += sum(a == b for a, b in zip(r.token_iterations, r.token_iterations[1:], strict=False))
-    queue_s = [r.server_timings["queue_s"] for r in records if r.server_timings and "queue_s" in r.server_timings]
-    admit_to_first = [r.server_timings["ttft_s"] - r.server_timings["queue_s"] for r in records
-                      if r.server_timings and "ttft_s" in r.server_timings and "queue_s" in r.server_timings]
     by_turn = defaultdict(list)
     for r in records:
         if r.token_times:
             by_turn[r.turn].append(r.token_times[0] - r.submitted)
-    generated = sum(len(r.ids) for r in records)
+    return {
+        "ttft": dist_ms(ttft, 1),
+        "ttft_p50_ms_by_turn": {t: round(percentile(v, 0.5) * 1e3, 1) for t, v in sorted(by_turn.items())},
+        "itl": dist_ms(itl, 1),
+        "itl_same_delivery_fraction": round(same_delivery / len(itl), 3) if itl else None,
+    }
+
+
+def server_latency(records: list[TurnRecord]) -> dict[str, Any]:
+    """The scheduler's own timings of each request: how much of its TTFT went to waiting for a slot, and how
+    long a first token took to reach the consumer after the scheduler timed it."""
+    queue_s = [r.server_timings["queue_s"] for r in records if r.server_timings and "queue_s" in r.server_timings]
+    admit_to_first = [r.server_timings["ttft_s"] - r.server_timings["queue_s"] for r in records
+                      if r.server_timings and "ttft_s" in r.server_timings and "queue_s" in r.server_timings]
+    server_ttft = sum(r.server_timings["ttft_s"] for r in records if r.server_timings and "queue_s" in r.server_timings
+                      and "ttft_s" in r.server_timings)
+    lag = [r.token_times[0] - r.submitted - r.server_timings["ttft_s"] for r in records
+           if r.token_times and r.server_timings and "ttft_s" in r.server_timings]
+    return {
+        "server_queue": dist_ms(queue_s, 1),
+        "server_admit_to_first_token": dist_ms(admit_to_first, 1),
+        "ttft_share_waiting_for_slot": round(sum(queue_s) / server_ttft, 3) if server_ttft else None,
+        "first_token_delivery_lag": dist_ms(lag, 1),
+    }
+
+
+def prefill_figures(stats: dict[str, Any]) -> dict[str, Any]:
+    """Prompt tokens asked for vs computed, from the scheduler's counters: what prefix caching saved."""
+    return {
+        "prompt_tokens_requested": stats["prompt_tokens"],
+        "prefill_tokens_computed": stats["prefill_tokens"],
+        "prefill_computed_over_requested": round(stats["prefill_tokens"] / max(stats["prompt_tokens"], 1), 4),
+        "cached_over_prompt_tokens": round(stats["cached_tokens"] / max(stats["prompt_tokens"], 1), 4),
+        "hit_request_fraction": round(stats["cache_hit_requests"] / max(stats["requests_admitted"], 1), 4),
+    }
+
+
+def requests_detail(records: list[TurnRecord], begin: float) -> list[dict[str, Any]]:
+    """One row per turn in submission order, times relative to the run's start."""
     detail = []
     for r in sorted(records, key=lambda r: r.submitted):
         t = r.server_timings or {}
@@ -321,44 +400,7 @@ def replay(engine: Any, tokenizer: Any, specs: list[SessionSpec], seps: dict[str
                        "queue_ms": round(t["queue_s"] * 1e3, 1) if "queue_s" in t else None,
                        "server_ttft_ms": round(t["ttft_s"] * 1e3, 1) if "ttft_s" in t else None,
                        "done_s": round(r.token_times[-1] - begin, 3) if r.token_times else None})
-    server_ttft = sum(r.server_timings["ttft_s"] for r in records if r.server_timings and "queue_s" in r.server_timings
-                      and "ttft_s" in r.server_timings)
-    lag = [r.token_times[0] - r.submitted - r.server_timings["ttft_s"] for r in records
-           if r.token_times and r.server_timings and "ttft_s" in r.server_timings]
-    stats = sched.counters()
-    errors = [f"{r.session} turn {r.turn}: {r.error}" for r in records if r.error]
-    expected = len(specs) * args.turns
-    if len(records) < expected:
-        errors.append(f"{expected - len(records)} turns never submitted (an earlier turn of their session failed)")
-    result = {
-        "prefix_caching": caching,
-        "requests": len(records),
-        "requests_expected": expected,
-        "errors": errors,
-        "generated_tokens": generated,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(generated / wall, 3) if wall else None,
-        "ttft": dist_ms(ttft, 1),
-        "ttft_p50_ms_by_turn": {t: round(percentile(v, 0.5) * 1e3, 1) for t, v in sorted(by_turn.items())},
-        "itl": dist_ms(itl, 1),
-        "itl_same_delivery_fraction": round(same_delivery / len(itl), 3) if itl else None,
-        "server_queue": dist_ms(queue_s, 1),
-        "server_admit_to_first_token": dist_ms(admit_to_first, 1),
-        "ttft_share_waiting_for_slot": round(sum(queue_s) / server_ttft, 3) if server_ttft else None,
-        "first_token_delivery_lag": dist_ms(lag, 1),
-        "prompt_tokens_requested": stats["prompt_tokens"],
-        "prefill_tokens_computed": stats["prefill_tokens"],
-        "prefill_computed_over_requested": round(stats["prefill_tokens"] / max(stats["prompt_tokens"], 1), 4),
-        "cached_over_prompt_tokens": round(stats["cached_tokens"] / max(stats["prompt_tokens"], 1), 4),
-        "hit_request_fraction": round(stats["cache_hit_requests"] / max(stats["requests_admitted"], 1), 4),
-        "scheduler_stats": stats,
-        "host_tier": sched.host.stats(),
-    }
-    if timers is not None:
-        result["engine_time"] = timers.report(wall)
-    result["requests_detail"] = detail
-    outputs = {(r.session, r.turn): r.ids for r in records}
-    return result, outputs
+    return detail
 
 
 def warm_pass(engine: Any, tokenizer: Any, args: argparse.Namespace) -> float:
@@ -496,85 +538,100 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def start_jax(args: argparse.Namespace) -> str:
+    """Set JAX up for --platform before anything imports it (and the compile cache unless turned off); the
+    backend it chose."""
     from core.device import configure_environment
 
     configure_environment(args.platform)
     import jax
-    import jaxlib
 
     from core.compile_cache import enable_compile_cache
-    from core.engine import Engine, EngineConfig
-    from core.runtime import load_model
 
     if args.compile_cache:
         enable_compile_cache()
-    backend = jax.default_backend()
-    out = Path(args.out) if args.out else RESULTS / f"agents-replay-{backend}.json"
+    return jax.default_backend()
+
+
+def build_engine(args: argparse.Namespace, backend: str) -> tuple[Any, Any, list[SessionSpec], dict[str, list[int]]]:
+    """The model, the workload on its tokenizer (refused before the engine is built when its last turn
+    does not fit --max-len) and the engine every run shares."""
+    from core.engine import Engine, EngineConfig
+    from core.runtime import load_model
 
     log(f"backend {backend}: loading {args.model}")
     model = load_model(args.model, dtype=args.dtype)
-    tokenizer = model.tokenizer
-    specs, seps = build_workload(tokenizer, args)
+    specs, seps = build_workload(model.tokenizer, args)
     need = longest_prompt(args, seps) + args.max_tokens
     if need > args.max_len:
         raise SystemExit(f"the last turn needs {need} positions; raise --max-len (now {args.max_len})")
-
     config = EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=args.chunk_sizes,
                           kv_dtype=args.kv_dtype)
     engine = Engine(model.cfg, model.params, config, model.dtype)
-    report: dict[str, Any] = {
-        "meta": {
-            "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": "python3 benchmarks/agents_replay.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "argv": sys.argv[1:] if argv is None else argv,
-            "source": source_info(),
-            "jax": jax.__version__,
-            "jaxlib": getattr(jaxlib, "__version__", None),
-            "python": platform.python_version(),
-            "backend": backend,
-            "device_kind": jax.devices()[0].device_kind,
-            "host_cpus": os.cpu_count(),
-            "host": host(),
-            "load_average_at_start": list(os.getloadavg()),
-            "model": args.model,
-            "dtype": model.dtype,
-            "dtype_reason": model.dtype_reason,
-            "kv_dtype": args.kv_dtype or model.dtype,
-        },
-        "config": {
-            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
-            "prefill_budget_effective": args.prefill_budget or max(args.chunk_sizes),
-            "sessions": len(specs),
-            "requests": len(specs) * args.turns,
-            "separators": {name: ids for name, ids in seps.items()},
-            "longest_prompt_tokens": longest_prompt(args, seps),
-            "sampling": "greedy (temperature 0), ignore_eos, exact max_tokens per turn",
-            "run_order": ["on" if c else "off" for c in mode_order(args)],
-            "latency_clock": "consumer side: time.perf_counter() per event, one thread per session, "
-                             "engine loop on its own thread (Scheduler.start)",
-        },
-        "runs": [],
+    return model, engine, specs, seps
+
+
+def metadata(args: argparse.Namespace, argv: list[str] | None, backend: str, model: Any) -> dict[str, Any]:
+    """Where and how the figures were measured: the report's "meta"."""
+    import jax
+    import jaxlib
+
+    return {
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python3 benchmarks/agents_replay.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "source": source_info(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", None),
+        "python": platform.python_version(),
+        "backend": backend,
+        "device_kind": jax.devices()[0].device_kind,
+        "host_cpus": os.cpu_count(),
+        "host": host(),
+        "load_average_at_start": list(os.getloadavg()),
+        "model": args.model,
+        "dtype": model.dtype,
+        "dtype_reason": model.dtype_reason,
+        "kv_dtype": args.kv_dtype or model.dtype,
     }
 
-    def save() -> None:
-        save_report(out, report, echo=False)
 
-    log(f"{len(specs)} sessions x {args.turns} turns over {args.slots} slots, prompts up to "
-        f"{longest_prompt(args, seps)} tokens; compiling")
-    report["meta"]["compile_seconds"] = round(engine.warmup(), 2)
-    log(f"compiled in {report['meta']['compile_seconds']} s")
+def report_config(args: argparse.Namespace, specs: list[SessionSpec], seps: dict[str, list[int]]) -> dict[str, Any]:
+    """Every option, and the workload and method they make: the report's "config"."""
+    return {
+        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+        "prefill_budget_effective": args.prefill_budget or max(args.chunk_sizes),
+        "sessions": len(specs),
+        "requests": len(specs) * args.turns,
+        "separators": {name: ids for name, ids in seps.items()},
+        "longest_prompt_tokens": longest_prompt(args, seps),
+        "sampling": "greedy (temperature 0), ignore_eos, exact max_tokens per turn",
+        "run_order": ["on" if c else "off" for c in mode_order(args)],
+        "latency_clock": "consumer side: time.perf_counter() per event, one thread per session, "
+                         "engine loop on its own thread (Scheduler.start)",
+    }
+
+
+def warm_up(engine: Any, tokenizer: Any, args: argparse.Namespace, meta: dict[str, Any]) -> None:
+    """Compile every program, then run the warm pass (unless --no-warm-pass), so that no run pays for
+    either; their durations go into ``meta``."""
+    meta["compile_seconds"] = round(engine.warmup(), 2)
+    log(f"compiled in {meta['compile_seconds']} s")
     if args.warm_pass:
-        report["meta"]["warm_pass_seconds"] = round(warm_pass(engine, tokenizer, args), 2)
-        log(f"warm pass {report['meta']['warm_pass_seconds']} s")
+        meta["warm_pass_seconds"] = round(warm_pass(engine, tokenizer, args), 2)
+        log(f"warm pass {meta['warm_pass_seconds']} s")
 
+
+def run_modes(engine: Any, tokenizer: Any, specs: list[SessionSpec], seps: dict[str, list[int]],
+              args: argparse.Namespace, runs: list[dict[str, Any]],
+              save: Callable[[], None]) -> tuple[dict | None, list[dict[str, Any]]]:
+    """Every run in --order, each appended to ``runs`` and saved as soon as it ends (an interrupted benchmark
+    keeps what it measured). Returns the first run's outputs and where a later run's differ from them."""
     timers = EngineTimers(engine) if args.engine_timers else None
     if timers is not None:
         timers.install()
     reference = None
     mismatches: list[dict[str, Any]] = []
-    digests = []
     for i, caching in enumerate(mode_order(args)):
         label = "ON" if caching else "OFF"
         log(f"run {i + 1}: prefix caching {label}")
@@ -582,22 +639,32 @@ def main(argv: list[str] | None = None) -> int:
         result["run"] = i + 1
         result["load_average_after"] = list(os.getloadavg())
         result["outputs_sha256_16"] = outputs_digest(outputs)
-        digests.append(result["outputs_sha256_16"])
-        report["runs"].append(result)
+        runs.append(result)
         if reference is None:
             reference = outputs
         else:
             for diff in compare_outputs(reference, outputs):
                 mismatches.append({"run": i + 1, "prefix_caching": caching, **diff})
-        log(f"run {i + 1} {label}: {result['tokens_per_s']} tok/s, wall {result['wall_s']} s, "
-            f"TTFT p50 {result['ttft'].get('p50_ms')} ms p99 {result['ttft'].get('p99_ms')} ms, "
-            f"ITL p50 {result['itl'].get('p50_ms')} ms p99 {result['itl'].get('p99_ms')} ms, "
-            f"prefill {result['prefill_tokens_computed']}/{result['prompt_tokens_requested']}, "
-            f"errors {len(result['errors'])}")
+        log_run(i + 1, label, result)
         save()
     if timers is not None:
         timers.remove()
+    return reference, mismatches
 
+
+def log_run(run: int, label: str, result: dict[str, Any]) -> None:
+    """One line of progress per run: its headline figures."""
+    log(f"run {run} {label}: {result['tokens_per_s']} tok/s, wall {result['wall_s']} s, "
+        f"TTFT p50 {result['ttft'].get('p50_ms')} ms p99 {result['ttft'].get('p99_ms')} ms, "
+        f"ITL p50 {result['itl'].get('p50_ms')} ms p99 {result['itl'].get('p99_ms')} ms, "
+        f"prefill {result['prefill_tokens_computed']}/{result['prompt_tokens_requested']}, "
+        f"errors {len(result['errors'])}")
+
+
+def conclude(report: dict[str, Any], reference: dict | None, mismatches: list[dict[str, Any]], out: Path) -> int:
+    """The output comparison and the summary into ``report``, written and printed; the exit status: 0 when
+    every run gave the same outputs without errors."""
+    digests = [r["outputs_sha256_16"] for r in report["runs"]]
     report["outputs_identical"] = not mismatches and len(set(digests)) == 1
     report["outputs_compared"] = {"unit": "generated token ids per (session, turn)", "against": "run 1",
                                   "requests_per_run": len(reference or {}), "mismatches": mismatches[:20],
@@ -607,6 +674,24 @@ def main(argv: list[str] | None = None) -> int:
     save_report(out, report)
     log(f"outputs identical: {report['outputs_identical']}; wrote {out}")
     return 0 if report["outputs_identical"] and not any(r["errors"] for r in report["runs"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = start_jax(args)
+    out = Path(args.out) if args.out else RESULTS / f"agents-replay-{backend}.json"
+    model, engine, specs, seps = build_engine(args, backend)
+    report: dict[str, Any] = {"meta": metadata(args, argv, backend, model), "config": report_config(args, specs, seps),
+                              "runs": []}
+
+    def save() -> None:
+        save_report(out, report, echo=False)
+
+    log(f"{len(specs)} sessions x {args.turns} turns over {args.slots} slots, prompts up to "
+        f"{longest_prompt(args, seps)} tokens; compiling")
+    warm_up(engine, model.tokenizer, args, report["meta"])
+    reference, mismatches = run_modes(engine, model.tokenizer, specs, seps, args, report["runs"], save)
+    return conclude(report, reference, mismatches, out)
 
 
 if __name__ == "__main__":

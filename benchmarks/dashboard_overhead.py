@@ -101,7 +101,7 @@ def summary(seconds: list[float]) -> dict[str, float]:
             "ms_p90": round(ms[int(len(ms) * 0.9)], 3)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model.name override (default: configs/default.yaml's)")
     p.add_argument("--streams", type=int, default=8)
@@ -109,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stream-interval", type=float, default=0.25, help="the SSE client's interval (page: 0.5)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dashboard-overhead-cpu.json"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def start_server(args: argparse.Namespace) -> tuple[Any, Any, LiveServer]:
+    """The runtime (configs/default.yaml, no max_tokens limit), started, and its app served in this process,
+    so that the dashboard stream's documents are built on an event loop that shares the GIL with the engine."""
     from agents.runtime import build_runtime
     from server.app import configure_logging, create_app
     from server.config import load_config
-    from server.dashboard import slots_document
 
     overrides: dict[str, Any] = {"limits.max_tokens": None, "server.log_level": "warning"}
     if args.model:
@@ -134,48 +137,68 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(config, runtime=runtime)
     server = LiveServer(app).start()
     log(f"ready in {time.perf_counter() - begin:.0f} s: {runtime.info()}")
-    sched = runtime.scheduler
-    steps = step_timer(sched)
-    publishes = publish_timer(sched.snapshots)
-    record: dict[str, Any] = {
+    return runtime, app, server
+
+
+def report_header(args: argparse.Namespace, runtime: Any) -> dict[str, Any]:
+    """Where and on what the figures were measured, and the workload."""
+    return {
         "benchmark": "dashboard_overhead", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(mark_dirty=True), "host": host(), "runtime": runtime.info(),
         "workload": {"streams": args.streams, "prompt_tokens": 32, "max_tokens": args.max_tokens,
-                     "rounds": args.rounds, "snapshot_interval_s": sched.snapshots.interval_s,
+                     "rounds": args.rounds, "snapshot_interval_s": runtime.scheduler.snapshots.interval_s,
                      "stream_interval_s": args.stream_interval},
     }
-    interval = sched.snapshots.interval_s
+
+
+def measure_mode(runtime: Any, args: argparse.Namespace, url: str, mode: str, round_index: int, interval: float,
+                 steps: list[tuple[float, bool]], events: dict[str, int]) -> list[float]:
+    """One wave in ``mode``: the seconds of its decoding steps. With "on+stream" a dashboard client reads
+    the stream during the wave (started half a second before it)."""
+    runtime.scheduler.snapshots.interval_s = None if mode == "off" else interval
+    stop = threading.Event()
+    reader = None
+    if mode == "on+stream":
+        reader = threading.Thread(target=stream_reader, args=(url, args.stream_interval, stop, events), daemon=True)
+        reader.start()
+        time.sleep(0.5)
+    steps.clear()
+    run_wave(runtime, args, seed=1 + round_index)
+    stop.set()
+    if reader is not None:
+        reader.join(10)
+    decoding = [s for s, d in steps if d]
+    log(f"round {round_index + 1} {mode}: {summary(decoding)}")
+    return decoding
+
+
+def measure_modes(runtime: Any, args: argparse.Namespace, url: str, interval: float,
+                  steps: list[tuple[float, bool]], events: dict[str, int]) -> dict[str, list[float]]:
+    """Decoding step seconds per mode, the modes interleaved round by round after an unmeasured warm-up wave."""
     per_mode: dict[str, list[float]] = {m: [] for m in MODES}
-    events = {"events": 0}
-    try:
-        run_wave(runtime, args, seed=0)  # warm-up: every program this workload uses, not measured
-        for r in range(args.rounds):
-            for mode in MODES:
-                sched.snapshots.interval_s = None if mode == "off" else interval
-                stop = threading.Event()
-                reader = None
-                if mode == "on+stream":
-                    reader = threading.Thread(target=stream_reader, args=(server.url, args.stream_interval, stop,
-                                                                          events), daemon=True)
-                    reader.start()
-                    time.sleep(0.5)
-                steps.clear()
-                run_wave(runtime, args, seed=1 + r)
-                stop.set()
-                if reader is not None:
-                    reader.join(10)
-                per_mode[mode] += [s for s, decoding in steps if decoding]
-                log(f"round {r + 1} {mode}: {summary([s for s, d in steps if d])}")
-        state = app.state.slotserve
-        docs = []
-        for _ in range(200):
-            t0 = time.perf_counter()
-            json.dumps(slots_document(state))
-            docs.append(time.perf_counter() - t0)
-    finally:
-        sched.snapshots.interval_s = interval
-        server.stop()
-        runtime.stop()
+    run_wave(runtime, args, seed=0)  # warm-up: every program this workload uses, not measured
+    for r in range(args.rounds):
+        for mode in MODES:
+            per_mode[mode] += measure_mode(runtime, args, url, mode, r, interval, steps, events)
+    return per_mode
+
+
+def time_documents(app: Any, count: int = 200) -> list[float]:
+    """Seconds to build one dashboard document and encode it as JSON, ``count`` times."""
+    from server.dashboard import slots_document
+
+    state = app.state.slotserve
+    docs = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        json.dumps(slots_document(state))
+        docs.append(time.perf_counter() - t0)
+    return docs
+
+
+def add_results(record: dict[str, Any], per_mode: dict[str, list[float]], publishes: list[float],
+                docs: list[float], stream_events: int) -> None:
+    """The measured figures, into ``record`` after its header."""
     results = {mode: summary(values) for mode, values in per_mode.items()}
     off = results["off"]["ms_p50"]
     record["decode_step"] = results
@@ -184,7 +207,26 @@ def main(argv: list[str] | None = None) -> int:
                                      "max": round(max(publishes) * 1e6, 1)} if publishes else None
     record["document_build_us"] = {"mean": round(statistics.fmean(docs) * 1e6, 1),
                                    "p90": round(sorted(docs)[int(len(docs) * 0.9)] * 1e6, 1)}
-    record["stream_events"] = events["events"]
+    record["stream_events"] = stream_events
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runtime, app, server = start_server(args)
+    sched = runtime.scheduler
+    steps = step_timer(sched)
+    publishes = publish_timer(sched.snapshots)
+    record = report_header(args, runtime)
+    interval = sched.snapshots.interval_s
+    events = {"events": 0}
+    try:
+        per_mode = measure_modes(runtime, args, server.url, interval, steps, events)
+        docs = time_documents(app)
+    finally:
+        sched.snapshots.interval_s = interval  # the modes changed it
+        server.stop()
+        runtime.stop()
+    add_results(record, per_mode, publishes, docs, events["events"])
     save_report(args.out, record)
     return 0
 

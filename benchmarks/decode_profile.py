@@ -14,12 +14,14 @@ perfetto trace, gzipped JSON, for ui.perfetto.dev).
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,31 +70,38 @@ def summarise(trace: dict[str, Any], steps: int, top: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def split_extra_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """This script's own flags, taken out of ``argv`` so that the rest goes to benchmarks/engine.py's parser:
+    (what is left, {"--top": ..., "--trace-steps": ..., "--save-trace": ...})."""
+    argv = list(argv)
     extra: dict[str, Any] = {"--top": 30, "--trace-steps": 10, "--save-trace": None}
     for flag in list(extra):
         if flag in argv:
             i = argv.index(flag)
             extra[flag] = argv[i + 1] if flag == "--save-trace" else int(argv[i + 1])
             del argv[i:i + 2]
-    args = bench.parse_args(argv)
-    from core.device import configure_environment
+    return argv, extra
 
-    configure_environment(args.platform)
-    import jax
-    import numpy as np
 
-    from core.device import choose_dtype
+def build_engine(args: argparse.Namespace, dtype: str, trace_steps: int) -> tuple[Any, int]:
+    """An engine with only the decode programs timed here (one chunk size, no verify program), and the
+    context the steps start at: low enough that every untimed, timed and traced step fits below max_len."""
     from core.engine import Engine, EngineConfig
 
-    dtype, reason = choose_dtype(args.dtype)
     model = bench.with_precision(bench.build_model(args, dtype), args.precision[0])
-    context = min(args.contexts[-1], args.max_len - 1 - args.steps - args.warm_steps - extra["--trace-steps"])
+    context = min(args.contexts[-1], args.max_len - 1 - args.steps - args.warm_steps - trace_steps)
     buckets = args.attention_buckets if args.attention_buckets is not None else ()
     engine = Engine(model["cfg"], model["params"],
                     EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=(args.chunk_sizes[0],),
                                  attention_buckets=buckets, verify_width=0, kv_dtype=args.kv_dtype), dtype)
+    return engine, context
+
+
+def decode_stepper(engine: Any, context: int) -> Callable[[], None]:
+    """A decode step of every slot per call, waited for, each call one position further than the last."""
+    import jax
+    import numpy as np
+
     s = engine.num_slots
     tokens, active = np.zeros(s, np.int32), np.ones(s, bool)
     position = context
@@ -102,31 +111,71 @@ def main(argv: list[str] | None = None) -> int:
         jax.block_until_ready(engine.decode(tokens, np.full(s, position, np.int32), active))
         position += 1
 
+    return step
+
+
+def time_steps(step: Callable[[], None], warm_steps: int, steps: int) -> tuple[float, list[float]]:
+    """Seconds of the first step (it compiles the program), then, after ``warm_steps`` untimed steps, the
+    wall milliseconds of each of ``steps`` steps."""
     begin = time.perf_counter()
     step()
     compile_s = time.perf_counter() - begin
-    for _ in range(args.warm_steps):
+    for _ in range(warm_steps):
         step()
     walls = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         begin = time.perf_counter()
         step()
         walls.append((time.perf_counter() - begin) * 1e3)
-    trace_steps = extra["--trace-steps"]
+    return compile_s, walls
+
+
+def profile_steps(step: Callable[[], None], steps: int, save_to: str | None) -> tuple[float, dict[str, Any]]:
+    """``steps`` steps under jax.profiler: wall milliseconds per step while tracing, and the perfetto trace
+    (also written to ``save_to`` as it came, gzipped, when given)."""
+    import jax
+
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
         begin = time.perf_counter()
-        for _ in range(trace_steps):
+        for _ in range(steps):
             step()
-        traced_ms = (time.perf_counter() - begin) * 1e3 / trace_steps
+        traced_ms = (time.perf_counter() - begin) * 1e3 / steps
         jax.profiler.stop_trace()
         found = sorted(Path(tmp).rglob("perfetto_trace.json.gz"))
         if not found:
             raise SystemExit(f"no perfetto trace under {tmp}")
         raw = found[-1].read_bytes()
-        if extra["--save-trace"]:
-            Path(extra["--save-trace"]).write_bytes(raw)
-        trace = json.loads(gzip.decompress(raw))
+        if save_to:
+            Path(save_to).write_bytes(raw)
+        return traced_ms, json.loads(gzip.decompress(raw))
+
+
+def print_summary(report: dict[str, Any], traced_ms: float) -> None:
+    """The headline figures and the 15 costliest ops, on stderr."""
+    t = report["trace"]
+    print(f"wall p50 {report['wall_ms_p50']} ms, traced {traced_ms:.3f} ms/step; "
+          f"device busy {t['busy_per_step_ms']} ms, op time {t['op_time_per_step_ms']} ms, "
+          f"{t['ops_per_step']} ops/step", file=sys.stderr)
+    for op in t["top_ops"][:15]:
+        print(f"  {op['ms_per_step']:8.3f} ms  x{op['calls_per_step']:<6} {op['name'][:100]}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, extra = split_extra_flags(sys.argv[1:] if argv is None else argv)
+    args = bench.parse_args(argv)
+    from core.device import configure_environment
+
+    configure_environment(args.platform)
+    import numpy as np
+
+    from core.device import choose_dtype
+
+    dtype, reason = choose_dtype(args.dtype)
+    engine, context = build_engine(args, dtype, extra["--trace-steps"])
+    step = decode_stepper(engine, context)
+    compile_s, walls = time_steps(step, args.warm_steps, args.steps)
+    traced_ms, trace = profile_steps(step, extra["--trace-steps"], extra["--save-trace"])
     walls.sort()
     report = {
         "meta": bench.metadata(args, dtype, reason),
@@ -136,15 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_ms_p50": round(walls[len(walls) // 2], 3) if walls else None,
         "wall_ms_min": round(walls[0], 3) if walls else None,
         "traced_wall_ms_per_step": round(traced_ms, 3),
-        "trace": summarise(trace, trace_steps, extra["--top"]),
+        "trace": summarise(trace, extra["--trace-steps"], extra["--top"]),
     }
     save_report(args.out or bench.RESULTS / "decode-profile.json", report, echo=False)
-    t = report["trace"]
-    print(f"wall p50 {report['wall_ms_p50']} ms, traced {traced_ms:.3f} ms/step; "
-          f"device busy {t['busy_per_step_ms']} ms, op time {t['op_time_per_step_ms']} ms, "
-          f"{t['ops_per_step']} ops/step", file=sys.stderr)
-    for op in t["top_ops"][:15]:
-        print(f"  {op['ms_per_step']:8.3f} ms  x{op['calls_per_step']:<6} {op['name'][:100]}", file=sys.stderr)
+    print_summary(report, traced_ms)
     return 0
 
 

@@ -25,6 +25,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,11 @@ TASKS = {
                "the Reformation used pamphlets to reach ordinary people.",
     "translate": "Translate to French: The meeting is moved to Thursday at ten because the room is booked.",
 }
+
+
+def chat_prompt(template: Any, task: str) -> list[int]:
+    """The task as one user turn, without a system prompt, in the model's chat template."""
+    return template.render("", [{"role": "user", "content": task}]).ids
 
 
 def run_once(engine: Any, tokenizer: Any, prompt: list[int], max_tokens: int, speculative: bool) -> dict[str, Any]:
@@ -100,10 +107,17 @@ def run_together(engine: Any, tokenizer: Any, prompts: list[list[int]], max_toke
             "drafted": stats.draft_tokens, "accepted": stats.accepted_draft_tokens}
 
 
-def together(engine: Any, tokenizer: Any, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, Any]:
+def abba(measure: Callable[[bool], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``measure(speculative)`` with speculation off, on, on, off: a linear drift in machine load weighs on
+    both modes alike."""
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     for mode in ("off", "on", "on", "off"):
-        runs[mode].append(run_together(engine, tokenizer, list(prompts.values()), max_tokens, mode == "on"))
+        runs[mode].append(measure(mode == "on"))
+    return runs
+
+
+def together(engine: Any, tokenizer: Any, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, Any]:
+    runs = abba(partial(run_together, engine, tokenizer, list(prompts.values()), max_tokens))
     off, on = runs["off"], runs["on"]
     identical = {name: all(r["ids"][i] == off[0]["ids"][i] for r in off + on) for i, name in enumerate(prompts)}
     rate = {mode: sum(r["tokens"] for r in rs) / sum(r["wall_s"] for r in rs) for mode, rs in runs.items()}
@@ -115,7 +129,47 @@ def together(engine: Any, tokenizer: Any, prompts: dict[str, list[int]], max_tok
             "wall_s": {mode: [round(r["wall_s"], 3) for r in rs] for mode, rs in runs.items()}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def task_row(prompt: list[int], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One task's report entry from its ABBA runs: rates averaged over both runs of a mode, counts and
+    output from the first run of each."""
+    off, on = runs["off"], runs["on"]
+    row = {
+        "prompt_tokens": len(prompt), "tokens": on[0]["tokens"],
+        "identical_outputs": all(r["ids"] == off[0]["ids"] for r in off + on),
+        "tokens_per_s_off": round(statistics.mean(r["tokens_per_s"] for r in off), 2),
+        "tokens_per_s_on": round(statistics.mean(r["tokens_per_s"] for r in on), 2),
+        "decode_steps_off": off[0]["decode_steps"], "decode_steps_on": on[0]["decode_steps"],
+        "verify_steps": on[0]["verify_steps"], "drafted": on[0]["drafted"], "accepted": on[0]["accepted"],
+        "output": on[0]["text"][:200],
+    }
+    row["speedup"] = round(row["tokens_per_s_on"] / row["tokens_per_s_off"], 3)
+    return row
+
+
+def alone(engine: Any, tokenizer: Any, template: Any, max_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each task as the only stream, ABBA: the per-task rows, and the total (tokens over wall time of every
+    run of a mode, so long tasks weigh more than in a mean of the per-task rates)."""
+    tasks: dict[str, Any] = {}
+    totals = {"off": [0, 0.0], "on": [0, 0.0]}
+    for name, task in TASKS.items():
+        prompt = chat_prompt(template, task)
+        runs = abba(partial(run_once, engine, tokenizer, prompt, max_tokens))
+        row = task_row(prompt, runs)
+        tasks[name] = row
+        for mode in ("off", "on"):
+            totals[mode][0] += sum(r["tokens"] for r in runs[mode])
+            totals[mode][1] += sum(r["wall_s"] for r in runs[mode])
+        print(f"{name}: {row['tokens']} tokens, {row['tokens_per_s_off']} -> {row['tokens_per_s_on']} tok/s "
+              f"(x{row['speedup']}), accepted {row['accepted']}/{row['drafted']}, identical {row['identical_outputs']}",
+              file=sys.stderr, flush=True)
+    rate = {mode: tokens / wall for mode, (tokens, wall) in totals.items()}
+    total = {"tokens_per_s_off": round(rate["off"], 2), "tokens_per_s_on": round(rate["on"], 2),
+             "speedup": round(rate["on"] / rate["off"], 3),
+             "all_identical": all(t["identical_outputs"] for t in tasks.values())}
+    return tasks, total
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--precision", default=None, help="float | w8a8 (default: by device)")
@@ -126,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--together", action="store_true", help="all tasks at once (batched verify steps)")
     parser.add_argument("--out", default=None,
                         help="default: results/speculative-<backend>-<precision>[-together].json")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    from agents.chat_template import ChatTemplate
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
+    """The model, its Engine with every program compiled, and the KV dtype chosen for it (None: compute)."""
     from core.compile_cache import enable_compile_cache
     from core.device import choose_kv_dtype
     from core.engine import ROWS_VERIFY_WIDTH, Engine, EngineConfig
@@ -142,51 +198,37 @@ def main(argv: list[str] | None = None) -> int:
                                                           kv_dtype=kv_dtype, rows_verify_width=ROWS_VERIFY_WIDTH),
                     model.dtype)
     engine.warmup()
-    template = ChatTemplate(model.tokenizer)
-    result: dict[str, Any] = {"model": args.model, "host": host(), "precision": model.precision,
-                              "kv_dtype": kv_dtype or "compute", "slots": args.slots,
-                              "verify_width": engine.config.verify_tokens,
-                              "rows_verify_width": engine.config.rows_verify_width,
-                              "rows_verify_exact": engine.rows_verify_exact, "max_tokens": args.max_tokens,
-                              "tasks": {}}
+    return model, engine, kv_dtype
+
+
+def report_header(args: argparse.Namespace, model: Any, engine: Any, kv_dtype: str | None) -> dict[str, Any]:
+    """What was measured, on what: the report's first keys."""
+    return {"model": args.model, "host": host(), "precision": model.precision, "kv_dtype": kv_dtype or "compute",
+            "slots": args.slots, "verify_width": engine.config.verify_tokens,
+            "rows_verify_width": engine.config.rows_verify_width, "rows_verify_exact": engine.rows_verify_exact,
+            "max_tokens": args.max_tokens}
+
+
+def default_out(args: argparse.Namespace, precision: str) -> Path:
     import jax
 
     suffix = "-together" if args.together else ""
-    out = args.out or ROOT / f"benchmarks/results/speculative-{jax.default_backend()}-{model.precision}{suffix}.json"
+    return ROOT / f"benchmarks/results/speculative-{jax.default_backend()}-{precision}{suffix}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from agents.chat_template import ChatTemplate
+
+    model, engine, kv_dtype = build_engine(args)
+    template = ChatTemplate(model.tokenizer)
+    result = report_header(args, model, engine, kv_dtype)
+    out = args.out or default_out(args, model.precision)
     if args.together:
-        prompts = {name: template.render("", [{"role": "user", "content": task}]).ids for name, task in TASKS.items()}
+        prompts = {name: chat_prompt(template, task) for name, task in TASKS.items()}
         result["together"] = together(engine, model.tokenizer, prompts, args.max_tokens)
-        del result["tasks"]
-        save_report(out, result)
-        return 0
-    totals = {"off": [0, 0.0], "on": [0, 0.0]}
-    for name, task in TASKS.items():
-        prompt = template.render("", [{"role": "user", "content": task}]).ids
-        runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-        for mode in ("off", "on", "on", "off"):
-            runs[mode].append(run_once(engine, model.tokenizer, prompt, args.max_tokens, mode == "on"))
-        off, on = runs["off"], runs["on"]
-        identical = all(r["ids"] == off[0]["ids"] for r in off + on)
-        row = {
-            "prompt_tokens": len(prompt), "tokens": on[0]["tokens"], "identical_outputs": identical,
-            "tokens_per_s_off": round(statistics.mean(r["tokens_per_s"] for r in off), 2),
-            "tokens_per_s_on": round(statistics.mean(r["tokens_per_s"] for r in on), 2),
-            "decode_steps_off": off[0]["decode_steps"], "decode_steps_on": on[0]["decode_steps"],
-            "verify_steps": on[0]["verify_steps"], "drafted": on[0]["drafted"], "accepted": on[0]["accepted"],
-            "output": on[0]["text"][:200],
-        }
-        row["speedup"] = round(row["tokens_per_s_on"] / row["tokens_per_s_off"], 3)
-        result["tasks"][name] = row
-        for mode in ("off", "on"):
-            totals[mode][0] += sum(r["tokens"] for r in runs[mode])
-            totals[mode][1] += sum(r["wall_s"] for r in runs[mode])
-        print(f"{name}: {row['tokens']} tokens, {row['tokens_per_s_off']} -> {row['tokens_per_s_on']} tok/s "
-              f"(x{row['speedup']}), accepted {row['accepted']}/{row['drafted']}, identical {identical}",
-              file=sys.stderr, flush=True)
-    rate = {mode: tokens / wall for mode, (tokens, wall) in totals.items()}
-    result["total"] = {"tokens_per_s_off": round(rate["off"], 2), "tokens_per_s_on": round(rate["on"], 2),
-                       "speedup": round(rate["on"] / rate["off"], 3),
-                       "all_identical": all(t["identical_outputs"] for t in result["tasks"].values())}
+    else:
+        result["tasks"], result["total"] = alone(engine, model.tokenizer, template, args.max_tokens)
     save_report(out, result)
     return 0
 
