@@ -367,7 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative", choices=("on", "off"), default=None,
                    help="override scheduler.speculative (default: the config's, on for precision float)")
     p.add_argument("--batched-speculation", choices=("on", "off"), default=None,
-                   help="override scheduler.batched_speculation (default: the config's, off)")
+                   help="override scheduler.batched_speculation (default: the config's, on)")
     p.add_argument("--uvicorn-http", default="auto", choices=("auto", "h11", "httptools"),
                    help="uvicorn's HTTP implementation (auto: httptools when installed, as `slotserve serve`)")
     p.add_argument("--uvicorn-loop", default="auto", choices=("auto", "asyncio", "uvloop"),
@@ -440,11 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
-    from agents.runtime import build_runtime
-    from server.app import configure_logging, create_app
-    from server.config import load_config
-
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config settings the command line changes (recorded in the JSON as given to load_config)."""
     overrides: dict[str, Any] = {"model.slots": args.slots, "model.max_len": args.max_len,
                                  "limits.max_tokens": None, "server.log_level": "warning"}
     if args.model:
@@ -457,6 +454,17 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         overrides["scheduler.speculative"] = args.speculative == "on"
     if args.batched_speculation:
         overrides["scheduler.batched_speculation"] = args.batched_speculation == "on"
+    return overrides
+
+
+def start_ours(args: argparse.Namespace, record: dict[str, Any]) -> tuple[Any, LiveServer]:
+    """Our runtime, started, and its app served in this process; the config and the runtime as built go
+    into ``record``."""
+    from agents.runtime import build_runtime
+    from server.app import configure_logging, create_app
+    from server.config import load_config
+
+    overrides = config_overrides(args)
     config = load_config(args.config, overrides)
     configure_logging("warning", True)
     record["config"] = {"file": args.config or "configs/default.yaml", "overrides": overrides,
@@ -474,6 +482,60 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
     app = create_app(config, runtime=runtime)
     server = LiveServer(app, args.uvicorn_http, args.uvicorn_loop).start()
     log(f"server ready at {server.url} ({runtime.info()})")
+    return runtime, server
+
+
+def measure_wave(args: argparse.Namespace, runtime: Any, url: str, timers: EngineTimers, n: int) -> dict[str, Any]:
+    """One wave of ``n`` sessions against an idle server: the client's figures, the server's CPU and engine
+    time split, and what the scheduler's counters moved by."""
+    wait_idle(runtime.scheduler)
+    timers.reset()
+    stats0 = runtime.scheduler.counters()
+    cpu0 = thread_cpu_seconds()
+    raw = wave_in_subprocess(url, args.agent, n, args.max_tokens, args.timeout)
+    cpu1 = thread_cpu_seconds()
+    wave = summarize_wave(raw, n, args.max_tokens)
+    wave["cpu"] = cpu_split(cpu0, cpu1, raw.get("client_cpu_s", 0.0), raw["wall_s"])
+    wave["server_time_split"] = timers.snapshot(raw["wall_s"])
+    stats1 = runtime.scheduler.counters()
+    wave["scheduler_delta"] = {k: stats1[k] - stats0[k] for k in stats1 if stats1[k] != stats0[k]}
+    return wave
+
+
+def idle_baseline(args: argparse.Namespace, runtime: Any, timers: EngineTimers) -> dict[str, Any]:
+    """The engine baseline once the scheduler is idle, its calls left out of the server's time split."""
+    wait_idle(runtime.scheduler)
+    timers.active = False
+    baseline = engine_baseline(runtime.engine, args.engine_steps, 2, 64)
+    timers.active = True
+    return baseline
+
+
+def compare_with_engine(wave: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> None:
+    """The wave's rate and in-server step against the mean of the baselines measured just before and after
+    it, added to ``wave``."""
+    engine_tps = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+    engine_ms = (before["ms_p50"] + after["ms_p50"]) / 2
+    split = wave["server_time_split"]
+    decode_wall = wave["wall_s"] - split["prefill_first_token_and_slot_copies_s"]
+    wave["engine_tokens_per_s"] = round(engine_tps, 3)
+    wave["ratio_http_over_engine"] = round(wave["tokens_per_s"] / engine_tps, 3)
+    # what the ratio would be if prefill took no time (everything else kept): isolates prefill's share
+    wave["ratio_excluding_prefill_time"] = round(wave["completion_tokens"] / decode_wall / engine_tps, 3)
+    if split["decode_plus_sample_ms_per_step"]:
+        wave["in_server_step_over_baseline_step"] = round(
+            split["decode_plus_sample_ms_per_step"] / engine_ms, 3)
+
+
+def log_wave(n: int, wave: dict[str, Any]) -> None:
+    log(f"N={n}: {wave['tokens_per_s']} tok/s (engine {wave['engine_tokens_per_s']}, ratio "
+        f"{wave['ratio_http_over_engine']}), TTFT p50/p99 {wave['ttft_ms_p50']}/{wave['ttft_ms_p99']} ms, "
+        f"ITL p50/p99 {wave['inter_token_ms_p50']}/{wave['inter_token_ms_p99']} ms, errors {wave['errors']}; "
+        f"split {wave['server_time_split']}")
+
+
+def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
+    runtime, server = start_ours(args, record)
     timers = EngineTimers(runtime.engine)
     try:
         # warm the HTTP path and the prefill/decode programs once (not measured)
@@ -487,39 +549,13 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         record["waves"] = []
         save()
         for n in concurrency:
-            wait_idle(runtime.scheduler)
-            timers.reset()
-            stats0 = runtime.scheduler.counters()
-            cpu0 = thread_cpu_seconds()
-            raw = wave_in_subprocess(server.url, args.agent, n, args.max_tokens, args.timeout)
-            cpu1 = thread_cpu_seconds()
-            wave = summarize_wave(raw, n, args.max_tokens)
-            wave["cpu"] = cpu_split(cpu0, cpu1, raw.get("client_cpu_s", 0.0), raw["wall_s"])
-            wave["server_time_split"] = timers.snapshot(raw["wall_s"])
-            stats1 = runtime.scheduler.counters()
-            wave["scheduler_delta"] = {k: stats1[k] - stats0[k] for k in stats1 if stats1[k] != stats0[k]}
-            wait_idle(runtime.scheduler)
-            timers.active = False
-            after = engine_baseline(runtime.engine, args.engine_steps, 2, 64)
-            timers.active = True
+            wave = measure_wave(args, runtime, server.url, timers, n)
+            after = idle_baseline(args, runtime, timers)
             before = record["engine_baselines"][-1]
             record["engine_baselines"].append(after)
-            engine_tps = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
-            engine_ms = (before["ms_p50"] + after["ms_p50"]) / 2
-            split = wave["server_time_split"]
-            decode_wall = wave["wall_s"] - split["prefill_first_token_and_slot_copies_s"]
-            wave["engine_tokens_per_s"] = round(engine_tps, 3)
-            wave["ratio_http_over_engine"] = round(wave["tokens_per_s"] / engine_tps, 3)
-            # what the ratio would be if prefill took no time (everything else kept): isolates prefill's share
-            wave["ratio_excluding_prefill_time"] = round(wave["completion_tokens"] / decode_wall / engine_tps, 3)
-            if split["decode_plus_sample_ms_per_step"]:
-                wave["in_server_step_over_baseline_step"] = round(
-                    split["decode_plus_sample_ms_per_step"] / engine_ms, 3)
+            compare_with_engine(wave, before, after)
             record["waves"].append(wave)
-            log(f"N={n}: {wave['tokens_per_s']} tok/s (engine {wave['engine_tokens_per_s']}, ratio "
-                f"{wave['ratio_http_over_engine']}), TTFT p50/p99 {wave['ttft_ms_p50']}/{wave['ttft_ms_p99']} ms, "
-                f"ITL p50/p99 {wave['inter_token_ms_p50']}/{wave['inter_token_ms_p99']} ms, errors {wave['errors']}; "
-                f"split {split}")
+            log_wave(n, wave)
             save()
         save()
     finally:
