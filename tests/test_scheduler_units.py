@@ -124,3 +124,27 @@ def test_the_finish_event_flushes_held_text_and_reports_usage_and_timings(tokeni
     assert event.text.endswith("EN")  # held back as a possible stop string, given back at the end
     assert (event.usage.prompt_tokens, event.usage.cached_tokens, event.usage.completion_tokens) == (2, 1, 2)
     assert event.reason is FinishReason.LENGTH and "ttft_s" in event.timings and not event.budget_closed
+
+
+def test_a_program_first_run_is_left_out_of_the_step_times():
+    """A step that ran some program for the first time carries one-time set-up: its time must not enter the
+    planner's cost estimates (a first batched verify measured 6x a decode step would never be tried again)."""
+    import jax
+
+    from core.programs import Program, ProgramTable
+    from scheduler.executor import _record_time
+    from scheduler.plan import StepOutcome
+
+    programs = {key: Program(str(key), jax.jit(lambda x: x + 1)) for key in (("decode", 8), ("verify_rows", 8))}
+    table = ProgramTable(programs, lambda key: (np.int32(0),), lambda key: True, lambda key: key)
+    engine = type("Engine", (), {"programs": table})()
+    out = StepOutcome()
+    for key in ("decode", "verify_rows"):
+        ran = table.programs_run()
+        programs[key, 8](np.int32(1))  # its first run
+        _record_time(engine, out, key, 0.0, ran)
+    assert out.seconds == {} and table.programs_run() == 2
+    ran = table.programs_run()
+    programs["decode", 8](np.int32(2))
+    _record_time(engine, out, "decode", 0.0, ran)
+    assert set(out.seconds) == {"decode"} and programs["decode", 8].calls == 2
