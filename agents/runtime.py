@@ -221,7 +221,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
 
     # The tokenizer loads while the compile threads wait on XLA, which runs outside the GIL.
     engine.warmup(compiling if progress else None, background=options.background_compile,
-                  meanwhile=lambda: model.tokenizer, first_runs=True)
+                  meanwhile=lambda: model.tokenizer)
     # The grammar tokenizer bridge is seconds of work holding the GIL: with a background warm-up it is built
     # after ready, like the larger programs (a constrained request meanwhile waits for it).
     if progress and not options.background_compile:

@@ -9,7 +9,6 @@ cache, and every shape is compiled in `warmup()` (`core.programs`), never per re
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -245,34 +244,9 @@ class Engine:
         return key[-1], key[0] in OPTIONAL_KINDS
 
     def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False,
-               meanwhile: Callable[[], None] | None = None, first_runs: bool = False) -> float:
-        """Compile every step ahead (`ProgramTable.warmup`); with ``first_runs``, then run once each program
-        a short first request needs (`run_idle`): a program's first run carries one-time set-up (~0.3 s per
-        program for the default model on XLA:CPU) that the first request would otherwise wait for. Seconds
-        spent before returning."""
-        seconds = self.programs.warmup(progress, background, meanwhile)
-        if first_runs:
-            begin = time.perf_counter()
-            self.run_idle([key for key in self.programs if self._first_needed(key)])
-            seconds += time.perf_counter() - begin
-        return seconds
-
-    def run_idle(self, keys: list[ProgramKey]) -> None:
-        """Run each program once on inputs that change nothing: model steps with every row idle (n_valid 0
-        writes no KV), samplers on a copy of the sampler state (their results are dropped)."""
-        def zeros(arg: Any) -> Any:
-            return None if arg is None else np.zeros(arg.shape, arg.dtype)
-
-        for key in keys:
-            example, program = self._example_args(key), self.programs[key]
-            if key[0] in ("sample", "sample_row"):
-                sampler = jax.tree_util.tree_map(jnp.copy, self.sampler)
-                jax.block_until_ready(program(zeros(example[0]), sampler, *map(zeros, example[2:])))
-            elif key[0] in ("prefill", "decode"):
-                *_, self.cache = program(self.params, self.cache, *map(zeros, example[2:]))
-                jax.block_until_ready(self.cache)
-            else:
-                raise ValueError(f"no idle run for {key[0]} programs")
+               meanwhile: Callable[[], None] | None = None) -> float:
+        """Compile every step ahead (`ProgramTable.warmup`); seconds spent before returning."""
+        return self.programs.warmup(progress, background, meanwhile)
 
     @property
     def compile_seconds(self) -> float:

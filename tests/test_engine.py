@@ -395,23 +395,3 @@ def test_background_warmup_compiles_what_a_short_request_needs_first_and_the_res
     assert "/jax/core/compile/backend_compile_duration" not in compiles
     cold = Engine(cfg, params, config, "float32")  # no warm-up: each call compiles its program first
     assert after == during == greedy(cold, 2, prompt, 6)
-
-
-def test_idle_runs_of_the_first_programs_change_no_state(setup):
-    """`warmup(first_runs=True)` runs what a first request needs once before ready (a first run carries
-    one-time set-up): those runs must leave every slot's KV and the sampler state exactly as they were."""
-    from core.sampling import SamplingParams
-
-    _, engine, _ = setup
-    engine.prefill(1, np.arange(3, 3 + 2 * W + 1), 0)
-    engine.begin_request(1, SamplingParams(temperature=0.7, repetition_penalty=1.2), [5, 6], seed=9)
-    before = jax.device_get((engine.cache, engine.sampler))
-    first = [key for key in engine.programs if engine._first_needed(key)]
-    calls = {key: engine.programs[key].calls for key in first}
-    engine.run_idle(first)
-    after = jax.device_get((engine.cache, engine.sampler))
-    assert all(engine.programs[key].calls == calls[key] + 1 for key in first)
-    leaves = zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after), strict=True)
-    assert all(np.array_equal(a, b) for a, b in leaves)
-    with pytest.raises(ValueError, match="no idle run"):
-        engine.run_idle([("copy", BUCKETS[0])])
