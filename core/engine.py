@@ -332,8 +332,7 @@ class Engine:
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> jax.Array:
         """One token for every slot: slot s reads tokens[s] at positions[s]; idle slots write nothing.
         Returns logits [S, V] (device)."""
-        packed = np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
-                           np.asarray(active, np.int32)])
+        packed = _decode_inputs(tokens, positions, active)
         logits, self.cache = self.programs["decode", self.bucket_for(packed[1])](self.params, self.cache, packed)
         return logits
 
@@ -345,9 +344,8 @@ class Engine:
                       needs_full: bool = True, dry_limits: np.ndarray | None = None) -> SampleResult:
         """`decode` then `sample` with no mask, as one program (check `fused_ready` first): the same tokens,
         logprobs and sampler state bit for bit as the two calls."""
-        packed = np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
-                           np.asarray(active, np.int32)])
-        limits = np.zeros(self.num_slots, np.int32) if dry_limits is None else np.asarray(dry_limits, np.int32)
+        packed = _decode_inputs(tokens, positions, active)
+        limits = self._dry_limits(dry_limits)
         program = self.programs[_fused_kind(needs_full), self.bucket_for(packed[1])]
         *result, self.cache, self.sampler = program(self.params, self.cache, packed, self.sampler,
                                                     np.asarray(steps, np.int32), limits)
@@ -446,10 +444,14 @@ class Engine:
         needs_full=False selects the cheaper program valid when no active request uses penalties or
         top-k/top-p/min-p; dry_limits [S]: each DRY row's `core.dry.RepeatLimit.limit` (others ignore it)."""
         program = self.programs["sample", needs_full, mask is not None]
-        limits = np.zeros(self.num_slots, np.int32) if dry_limits is None else np.asarray(dry_limits, np.int32)
+        limits = self._dry_limits(dry_limits)
         out = program(logits, self.sampler, mask, np.asarray(steps, np.int32), np.asarray(active, bool), limits)
         *result, self.sampler = out
         return SampleResult(*jax.device_get(result))
+
+    def _dry_limits(self, given: np.ndarray | None) -> np.ndarray:
+        """[S] int32 DRY repeat limits as the samplers take them (zeros when none is given: no DRY row)."""
+        return np.zeros(self.num_slots, np.int32) if given is None else np.asarray(given, np.int32)
 
     def sample_slot(self, slot: int, logits: jax.Array, step: int, mask: np.ndarray | None = None,
                     dry_limit: int = 0) -> SampleResult:
@@ -517,6 +519,11 @@ def _prefill_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, att
 def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int):
     tokens, positions, active = packed[0], packed[1], packed[2]
     return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width)
+
+
+def _decode_inputs(tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """The int32 [3, S] a decode step takes: each slot's token, position and whether it is active."""
+    return np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(active, np.int32)])
 
 
 def _fused_kind(needs_full: bool) -> str:
