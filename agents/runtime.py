@@ -105,10 +105,12 @@ class Runtime:
             self._started = True
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End every stream with a finish event, stop the engine thread, close the compiler pool."""
+        """End every stream with a finish event, stop the engine thread and the background warm-up (after the
+        program it is compiling), close the compiler pool."""
         if self._started:
             self.scheduler.stop(timeout)
             self._started = False
+        self.engine.programs.stop_background(timeout)
         self.compiler.close()
 
     def info(self) -> dict[str, str]:

@@ -128,6 +128,7 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         self._first_needed = first_needed
         self._order = order
         self.background: threading.Thread | None = None  # the background warm-up, once started
+        self._stop = threading.Event()  # set by `stop_background`: compile no further program
         self.compile_seconds = 0.0  # spent in `warmup` before it returned
         self.warmup_seconds: dict[str, float] = {}  # per program name, as each is compiled
 
@@ -180,11 +181,24 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         begin = time.perf_counter()
         try:
             for key in keys:
+                if self._stop.is_set():
+                    log.info("background compilation stopped before %s", self._programs[key].name)
+                    return
                 self._compile(key)
         except Exception:  # a call needing the program compiles it itself (and reports what fails)
             log.exception("background compilation stopped")
             return
         log.info("compiled %d more programs in the background in %.1f s", len(keys), time.perf_counter() - begin)
+
+    def stop_background(self, timeout: float) -> bool:
+        """Let a background warm-up finish the program it is compiling and start no other; wait up to
+        ``timeout`` seconds for it. A daemon thread still inside XLA's compiler when the interpreter exits
+        aborts the process, so whoever stops the engine calls this. Returns whether no warm-up is left."""
+        self._stop.set()
+        if self.background is not None:
+            self.background.join(timeout)
+            return not self.background.is_alive()
+        return True
 
     def programs_run(self) -> int:
         """How many programs have run at least once. A program's first run on XLA:CPU carries one-time set-up

@@ -395,3 +395,22 @@ def test_background_warmup_compiles_what_a_short_request_needs_first_and_the_res
     assert "/jax/core/compile/backend_compile_duration" not in compiles
     cold = Engine(cfg, params, config, "float32")  # no warm-up: each call compiles its program first
     assert after == during == greedy(cold, 2, prompt, 6)
+
+
+def test_stopping_the_background_warmup_ends_it_after_the_program_it_is_compiling(compile_cache):
+    """Whoever stops the engine stops its warm-up thread (a daemon thread inside XLA's compiler at interpreter
+    exit aborts the process): it compiles nothing more, and a program it left out still compiles on demand."""
+    cfg = model_config("gemma4")
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=4)
+    config = EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=(4, 8, 16), attention_buckets=(16, 32, 64),
+                          verify_width=VERIFY)
+    eng = Engine(cfg, params, config, "float32")
+    eng.warmup(background=True)
+    assert eng.programs.stop_background(timeout=120)
+    assert not eng.programs.background.is_alive()
+    # Stopped right after ready, the thread had a dozen programs (seconds of compiling) still to go.
+    left = [k for k in eng.programs if not eng.programs[k].ready]
+    assert left and eng.programs.counts()["compiled"] + len(left) == len(eng.programs)
+    prompt = np.random.default_rng(9).integers(3, cfg.vocab_size, size=40)  # needs programs of the 64 bucket
+    assert len(greedy(eng, 0, prompt, 3)) == 3
+    assert ("decode", 64) in left and eng.programs["decode", 64].ready  # left out, then compiled on demand
