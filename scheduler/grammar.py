@@ -224,7 +224,7 @@ class GrammarCompiler:
                 self._forget(spec, future)
                 self._settle(future, error=e)
             else:
-                unique = unique_nav(spec) if self.backend == "llguidance" else None
+                unique = unique_nav(spec, self._backend.pattern_language()) if self.backend == "llguidance" else None
                 compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle, unique,
                                            repeats_possible(spec))
                 self._settle(future, result=compiled)

@@ -24,6 +24,7 @@ from scheduler.grammar_spec import (
     not_containing_regex,
     regex_literal,
 )
+from scheduler.pattern_items import PatternLanguage
 from scheduler.tool_protocol import TOOL_CALL_MARKER, call_head
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher", "fill_llguidance_masks", "llguidance_tokenizer"]
@@ -285,6 +286,15 @@ def llguidance_error(spec: ConstraintSpec, message: str) -> UnsupportedConstrain
 class LLGuidanceBackend(Backend):
     name = "llguidance"
     _closers: Closers | None = None  # closing_candidates, made on the first matcher
+    _patterns: PatternLanguage | None = None  # made on first use
+
+    def pattern_language(self) -> PatternLanguage:
+        """What pattern and format items of unique arrays can become, asked of llguidance (one per backend)."""
+        if self._patterns is None:
+            self._patterns = PatternLanguage(llguidance_tokenizer(self.tokenizer, self.vocab_size),
+                                             lambda schema: prepare_schema(schema, formats=ASSERTED_FORMATS),
+                                             _JSON_OPTIONS)
+        return self._patterns
 
     def warm_up(self) -> None:
         llguidance_tokenizer(self.tokenizer, self.vocab_size)

@@ -29,8 +29,13 @@ from fractions import Fraction
 from functools import reduce
 from typing import Any
 
+from scheduler.pattern_items import PatternItems
 from scheduler.strict_schema import FRACTION_DIGITS, MAX_INTEGER
 
+# A string item schema with a `pattern` or `format` -> its string part (None: plain strings after all, such as
+# an unasserted format); raises ValueError where the grammar engine refuses it (`scheduler.pattern_items`).
+Patterns = Callable[[dict[str, Any]], Any]
+_PATTERNED = ("pattern", "format")
 Value = str | Decimal | bytes  # a string's text, a number's value, a literal's spelling (b"true", b"null")
 LITERALS = {"boolean": (b"true", b"false"), "null": (b"null",)}
 SCALAR_KINDS = frozenset({"string", "number", "integer", "boolean", "null"})
@@ -186,7 +191,7 @@ class ItemSpace:
     """The items of one unique array, by kind, each kind a union of parts (the branches of an `anyOf` item
     schema, or of several unique schemas at one position); a kind with no part is one the items can not be."""
 
-    strings: tuple[StringItems, ...] = ()
+    strings: tuple[StringItems | PatternItems, ...] = ()
     numbers: tuple[NumberItems, ...] = ()
     literals: frozenset[bytes] = frozenset()
 
@@ -199,6 +204,11 @@ class ItemSpace:
     @property
     def enum_strings(self) -> bool:
         return any(part.values is not None for part in self.strings)
+
+    @property
+    def pattern_strings(self) -> bool:
+        """Some string items are a pattern's or a format's (`scheduler.pattern_items`)."""
+        return any(isinstance(part, PatternItems) for part in self.strings)
 
     def string_dead(self, written: bytes, used: Collection[Value]) -> bool:
         return bool(self.strings) and all(part.dead(written, used) for part in self.strings)
@@ -225,11 +235,12 @@ class ItemSpace:
 
 
 def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = lambda node: node,
-               depth: int = 0) -> ItemSpace | None:
+               depth: int = 0, patterns: Patterns | None = None) -> ItemSpace | None:
     """The item space of a unique array's item schema (``resolve`` follows a `$ref`), or None when it is not one
-    this module can follow exactly: objects or arrays, strings under a `pattern` or `format`, ``multipleOf``
-    that is not a positive whole number on a number, schemas composed other than by `anyOf` / `oneOf` of such
-    items alone (their items are any branch's: the union)."""
+    this module can follow exactly: objects or arrays, ``multipleOf`` that is not a positive whole number on a
+    number, schemas composed other than by `anyOf` / `oneOf` of such items alone (their items are any branch's:
+    the union), strings under a `pattern` or `format` unless ``patterns`` follows them
+    (`scheduler.pattern_items`)."""
     items = resolve(items)
     if depth > MAX_BRANCH_DEPTH or not isinstance(items, dict) or any(k in items for k in ("allOf", "not", "if",
                                                                                              "$ref")):
@@ -239,7 +250,7 @@ def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = 
             branches = items[key]
             if set(items) - {key} - _ANNOTATIONS or not isinstance(branches, list) or not branches:
                 return None
-            spaces = [item_space(branch, strict, resolve, depth + 1) for branch in branches]
+            spaces = [item_space(branch, strict, resolve, depth + 1, patterns) for branch in branches]
             return None if None in spaces else reduce(ItemSpace.union, spaces)  # type: ignore[arg-type]
     kinds = items.get("type")
     kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else None
@@ -248,12 +259,16 @@ def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = 
         if not isinstance(values, list) or not values or set(items) - _ENUM_FILTERS:
             return None
         return _enum_space([v for v in values if _admits(items, v)], kinds)
-    if not kinds or not kinds <= SCALAR_KINDS or any(k in items for k in ("pattern", "format")):
+    if not kinds or not kinds <= SCALAR_KINDS:
         return None
-    strings: tuple[StringItems, ...] = ()
+    strings: tuple[StringItems | PatternItems, ...] = ()
     if "string" in kinds:
-        longest = items.get("maxLength")
-        strings = (StringItems(int(longest) if isinstance(longest, int | float) else None),)
+        part = _string_part(items, patterns)
+        if part is None:
+            return None
+        strings = (part,)
+    elif any(k in items for k in _PATTERNED):
+        return None
     numbers: tuple[NumberItems, ...] = ()
     if kinds & {"number", "integer"}:
         number = _number_items(items, integer="number" not in kinds, strict=strict)
@@ -262,6 +277,22 @@ def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = 
         numbers = (number,)
     literals = frozenset(lit for kind in kinds for lit in LITERALS.get(kind, ()))
     return ItemSpace(strings, numbers, literals)
+
+
+def _string_part(items: dict[str, Any], patterns: Patterns | None) -> StringItems | PatternItems | None:
+    """Open strings (with their longest length), or what ``patterns`` makes of a pattern or format (None: not
+    followed)."""
+    longest = items.get("maxLength")
+    plain = StringItems(int(longest) if isinstance(longest, int | float) else None)
+    if not any(k in items for k in _PATTERNED):
+        return plain
+    if patterns is None:
+        return None
+    try:
+        part = patterns(items)
+    except ValueError:  # the grammar engine refuses the item: its error names the keyword
+        return None
+    return plain if part is None else part
 
 
 MAX_BRANCH_DEPTH = 8  # nested anyOf / oneOf levels followed (a $ref cycle through them is not)

@@ -20,11 +20,12 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, reduce
 
 import numpy as np
 
 from scheduler.item_space import ItemSpace, Value, literal_value, number_value
+from scheduler.pattern_items import PatternItems
 from scheduler.unique_items import SchemaNav
 
 QUOTE, BACKSLASH = 0x22, 0x5C
@@ -57,6 +58,7 @@ class QuoteTokens:
     # SCALAR_BYTES, JSON whitespace and `}`
     scalar_tokens: np.ndarray
     quoted_scalar_ends: np.ndarray  # ids holding a quote and then `,` or `]` (ending a string, then an item)
+    quote_bits: np.ndarray  # bitmask words [ceil(V/32)] of `ids`
     token_bytes: Callable[[int], bytes] = field(compare=False)
     by_bytes: dict[bytes, list[int]] = field(default_factory=dict, compare=False)  # every token id by its bytes
 
@@ -105,7 +107,7 @@ def quote_tokens(tokenizer) -> QuoteTokens:
     return QuoteTokens(np.array([i for i, _ in found], np.int64), enclosing, closes_with,
                        _bits(outside, len(pieces)),
                        _bits(inside, len(pieces)), np.array(scalars, np.int64), np.array(quoted_ends, np.int64),
-                       tokenizer.token_bytes, by_bytes)
+                       _bits([i for i, _ in found], len(pieces)), tokenizer.token_bytes, by_bytes)
 
 
 def _closing_text(piece: bytes) -> str | None:
@@ -137,6 +139,11 @@ def _set_bits(words: np.ndarray) -> np.ndarray:
 def _allowed(ids: np.ndarray, row_mask: np.ndarray) -> np.ndarray:
     """The ids whose bits are set in a mask row ([ceil(V/32)] uint32)."""
     return ids[(row_mask[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1]
+
+
+def _fit(words: np.ndarray, n: int) -> np.ndarray:
+    """Bitmask words cut or zero-padded to ``n`` (a tokenizer's vocabulary vs the model's padded logits)."""
+    return words[:n] if len(words) >= n else np.concatenate([words, np.zeros(n - len(words), words.dtype)])
 
 
 def _bits(ids: list[int], vocab_size: int) -> np.ndarray:
@@ -393,14 +400,38 @@ class KeyTracker:
             found |= self._closing_current()
         candidates = [np.fromiter(found, np.int64, len(found))]
         if unique:  # a token writing or ending a number or literal item (after closing this string, with a quote)
-            if lexer.frames[-1].enum_strings:  # any token may commit an enum item to a used value, or start one
-                candidates = [_set_bits(row_mask)] if lexer.in_string else [quotes.scalar_tokens, quotes.ids]
+            space = lexer.frames[-1].space
+            if space is not None and (space.enum_strings or space.pattern_strings):
+                # Any token may commit an enum or pattern item to used values, or start one; inside an item of
+                # patterns only, the tokens their masks keep need no check.
+                doubtful = self._doubtful_in_patterns(row_mask)
+                if doubtful is not None:
+                    candidates = [doubtful, quotes.ids]
+                else:
+                    candidates = [_set_bits(row_mask)] if lexer.in_string else [quotes.scalar_tokens, quotes.ids]
             else:
                 candidates.append(quotes.quoted_scalar_ends if lexer.in_string else quotes.scalar_tokens)
         # Only the tokens the grammar allows are checked: filtered per list first (a gather), merged after.
         allowed = [_allowed(ids, row_mask) for ids in candidates]
         allowed = allowed[0] if len(allowed) == 1 else np.unique(np.concatenate(allowed))
         return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]
+
+    def _doubtful_in_patterns(self, row_mask: np.ndarray) -> np.ndarray | None:
+        """Inside a unique array's item whose string parts are all patterns (`scheduler.pattern_items`): the
+        allowed tokens that no part's mask keeps (a kept token leaves a new value reachable; the others are
+        checked one by one: llguidance's mask where a grammar forces its next bytes holds only some of the
+        tokens that spell them); None elsewhere."""
+        lexer = self.lexer
+        top = lexer.frames[-1]
+        space = top.space
+        if not (lexer.in_string and lexer.is_item) or space is None or space.enum_strings:
+            return None
+        parts = [part for part in space.strings if isinstance(part, PatternItems)]
+        if len(parts) != len(space.strings):
+            return None  # open strings beside them: their own checks need the forks
+        written = b'"' + bytes(lexer.key)
+        keep = reduce(np.bitwise_or, (_fit(part.mask(written, top.items), len(row_mask)) for part in parts))
+        return _set_bits(row_mask & ~keep)
 
     def _closing_current(self) -> set[int]:
         """The tokens that would end the key or unique item being written on a used one: those closing it (their

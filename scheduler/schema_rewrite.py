@@ -214,7 +214,7 @@ def _all_but(excluded: list[Any], kind: Any) -> list[dict[str, Any]] | None:
             branches += [] if None in excluded else [{"type": "null"}]
         elif t == "string":
             words = [v for v in excluded if isinstance(v, str)]
-            branches.append({"type": "string", "pattern": f"^{_all_strings_but(words)}$"} if words else {"type": t})
+            branches.append({"type": "string", "pattern": f"^{all_strings_but(words)}$"} if words else {"type": t})
         elif t in ("number", "integer"):
             bounds = [None, *numbers, None]  # the open intervals between excluded numbers
             for lo, hi in itertools.pairwise(bounds):
@@ -229,7 +229,7 @@ def _all_but(excluded: list[Any], kind: Any) -> list[dict[str, Any]] | None:
     return branches
 
 
-def _all_strings_but(words: list[str]) -> str:
+def all_strings_but(words: list[str]) -> str:
     """A regex (unanchored body) for every string except ``words``: a trie of them, leaving it anywhere."""
     trie: dict[str, Any] = {}
     for word in words:

@@ -10,10 +10,11 @@ and 1.0 are one number), `true` is not 1.
 
 The look-ahead is what keeps the grammar from a dead end: a token is removed where the item's remaining values
 are all used (the `5` of an integer up to 5 once 5 is used), not only where it closes the item, and once no new
-item is left the comma of another is removed. Item spaces that can not be followed exactly stay for the backend
-to refuse, naming `uniqueItems`: strings under a `pattern` or `format` (their remaining values are the
-pattern's), items composed by `allOf`, `not` or `if`, objects and arrays. A JSON-schema response format
-only: in a tool call the document is a function's arguments, and the functions' schemas are not followed.
+item is left the comma of another is removed. Strings under a `pattern` or a `format` are asked of the grammar
+engine (`scheduler.pattern_items`). Item spaces that can not be followed exactly stay for the backend to
+refuse, naming `uniqueItems`: items composed by `allOf`, `not` or `if`, objects and arrays. A JSON-schema
+response format only: in a tool call the document is a function's arguments, and the functions' schemas are
+not followed.
 Should a repeat still be the only way on (an item spelled with escapes up to its maxLength), the request ends
 with an error rather than a repeated item.
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 from scheduler.grammar_spec import ConstraintSpec
 from scheduler.item_space import ItemSpace, item_space
+from scheduler.pattern_items import PatternLanguage
 from scheduler.schema_rewrite import rewrite
 from scheduler.schema_walk import iter_subschemas
 from scheduler.strict_schema import wants_strict
@@ -52,10 +54,17 @@ def _resolve(root: dict[str, Any], node: Any) -> Any:
 
 
 def liftable(root: dict[str, Any], node: dict[str, Any]) -> bool:
-    """Whether the host can enforce this node's `uniqueItems: true` exactly (see the module docstring)."""
+    """Whether the host can enforce this node's `uniqueItems: true` exactly (see the module docstring). Pattern
+    and format strings count: `SchemaNav` follows them with the grammar engine (an item schema the engine
+    refuses is refused by the grammar itself)."""
     if node.get("uniqueItems") is not True or any(k in node for k in _ARRAY_TUPLES):
         return False
-    return item_space(node.get("items"), resolve=lambda sub: _resolve(root, sub)) is not None
+    return item_space(node.get("items"), resolve=lambda sub: _resolve(root, sub), patterns=_followed) is not None
+
+
+def _followed(node: dict[str, Any]) -> None:
+    """A pattern-items stand-in for `liftable`: whether an item space exists, not what it is."""
+    return None
 
 
 def lift(schema: dict[str, Any]) -> dict[str, Any] | None:
@@ -70,9 +79,10 @@ def lift(schema: dict[str, Any]) -> dict[str, Any] | None:
     return kept
 
 
-def unique_nav(spec: ConstraintSpec) -> SchemaNav | None:
+def unique_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav | None:
     """The schemas to follow for a JSON-schema constraint whose grammar left out some `uniqueItems` (as
-    `prepare_schema(..., lift_unique=True)` does); None when none was left out."""
+    `prepare_schema(..., lift_unique=True)` does), pattern and format items asked of ``patterns``; None when
+    none was left out."""
     if spec.kind != "json_schema" or '"uniqueItems"' not in spec.value:
         return None
     schema = spec.schema
@@ -81,7 +91,7 @@ def unique_nav(spec: ConstraintSpec) -> SchemaNav | None:
     strict = wants_strict(schema)
     rewrite(schema)
     kept = lift(schema)
-    return SchemaNav(kept, strict) if kept is not None else None
+    return SchemaNav(kept, patterns, strict) if kept is not None else None
 
 
 class SchemaNav:
@@ -90,8 +100,9 @@ class SchemaNav:
     / `oneOf` flattened (any branch that declares uniqueness makes the array unique: on another branch that
     only removes documents, never admits one)."""
 
-    def __init__(self, root: dict[str, Any], strict: bool = True) -> None:
+    def __init__(self, root: dict[str, Any], patterns: PatternLanguage, strict: bool = True) -> None:
         self.root = root
+        self.patterns = patterns
         self.strict = strict  # numbers are written as `strict_schema` bounds them
 
     def top(self) -> tuple[dict[str, Any], ...]:
@@ -129,7 +140,8 @@ class SchemaNav:
 
     def item_space(self, nodes: tuple[dict[str, Any], ...]) -> ItemSpace | None:
         """What the items of a unique array under ``nodes`` can be (every unique branch's together)."""
-        spaces = [item_space(node.get("items"), self.strict, lambda sub: _resolve(self.root, sub))
+        spaces = [item_space(node.get("items"), self.strict, lambda sub: _resolve(self.root, sub),
+                             patterns=lambda items: self.patterns.items(items, self.strict))
                   for node in nodes if node.get("uniqueItems") is True]
         known = [space for space in spaces if space is not None]
         return reduce(ItemSpace.union, known) if known else None

@@ -99,3 +99,63 @@ def test_a_union_of_item_schemas_follows_every_branch():
     assert not space.string_dead(b'"ab', {"ab"}) and not space.exhausted({"ab", b"null"})
     defs = {"loop": {"anyOf": [{"$ref": "#/loop"}, {"type": "null"}]}}
     assert item_space({"$ref": "#/loop"}, resolve=lambda n: defs["loop"] if n == {"$ref": "#/loop"} else n) is None
+
+
+# Item schemas whose values are a pattern's or a format's, each with the characters its values are spelled with.
+PATTERN_ITEMS = [
+    ({"type": "string", "pattern": "^(x|xy|xyz|z)$"}, "xyz"),
+    ({"type": "string", "pattern": "^[ab]{1,2}$"}, "ab"),
+    ({"type": "string", "pattern": "^a[bc]*$", "maxLength": 3}, "abc"),
+    ({"type": "string", "pattern": "b"}, "ab"),  # unanchored: any string holding a "b"
+    ({"type": "string", "format": "date", "pattern": "^2021-02-2"}, "0123456789-"),
+    ({"type": "string", "format": "ipv4", "pattern": "^10\\.0\\.0\\.25"}, "0123456789."),
+]
+
+
+def string_language(compiler, tokenizer, items: dict, alphabet: str, longest: int) -> set[str]:
+    """Every string item the grammar of an array of ``items`` accepts, up to ``longest`` characters."""
+    compiled = compiler.compile(ConstraintSpec.json_schema({"type": "array", "items": items}))
+
+    def takes(text: str) -> bool:
+        return compiler.matcher(compiled).consume_tokens(tokenizer.encode(text))
+
+    found, stack = set(), [""]
+    while stack:
+        prefix = stack.pop()
+        if takes(f'["{prefix}"]'):
+            found.add(prefix)
+        stack.extend(prefix + c for c in alphabet if len(prefix) < longest and takes(f'["{prefix}{c}'))
+    return found
+
+
+@pytest.mark.parametrize(("items", "alphabet"), PATTERN_ITEMS, ids=[json.dumps(s) for s, _ in PATTERN_ITEMS])
+def test_pattern_items_are_dead_exactly_where_the_grammars_own_language_says(compiler, tokenizer, items, alphabet):
+    """Pattern and format items (`scheduler.pattern_items`, asked of llguidance itself): for every prefix of every
+    value (within the length walked) and many sets of used values, `dead` says exactly whether every value the
+    prefix reaches is used, `exhausted` whether every value is, and the mask over the model's tokens keeps a
+    one-character token only where the prefix it makes is not dead (it may leave out more: llguidance's mask
+    where the grammar forces its next bytes)."""
+    longest = 12 if "format" in items else 4
+    values = string_language(compiler, tokenizer, items, alphabet, longest)
+    assert 3 <= len(values) <= 40, values
+    schema = {"type": "array", "items": items, "uniqueItems": True}
+    nav = compiler.compile(ConstraintSpec.json_schema(schema)).unique
+    space = nav.item_space(nav.top())
+    [part] = space.strings
+    bounded = "pattern" in items and items["pattern"] != "b"  # "b" reaches past what is walked
+    prefixes = sorted({v[:n] for v in values for n in range(len(v) + 1)})
+    rng = random.Random(1)
+    used_sets = [set(), set(values)] + [set(rng.sample(sorted(values), rng.randrange(len(values))))
+                                        for _ in range(12)]
+    singles = {c: tokenizer.encode(c)[0] for c in alphabet}
+    for used in used_sets:
+        if bounded:
+            assert space.exhausted(used) == (values <= used), used
+        for prefix in prefixes:
+            reached = {v for v in values if v.startswith(prefix)}
+            dead = space.string_dead(f'"{prefix}'.encode(), used)
+            assert dead == (reached <= used) if bounded else not dead, (prefix, used)  # "b" reaches without end
+            mask = part.mask(f'"{prefix}'.encode(), used)
+            for c, token in singles.items():
+                if any(v.startswith(prefix + c) for v in values) and mask[token >> 5] >> (token & 31) & 1:
+                    assert not space.string_dead(f'"{prefix}{c}'.encode(), used), (prefix, c, used)

@@ -464,14 +464,18 @@ BOUNDED_UNIQUE = [
     ({"type": "array", "items": {"enum": [10, 2.5, "x", False]}, "uniqueItems": True}, ("1", "0", ",")),
     ({"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 3}, {"type": "null"}]},
       "uniqueItems": True}, ("1", "null", ",")),
+    ({"type": "array", "items": {"type": "string", "pattern": "^(x|xy|xyz|z)$"}, "uniqueItems": True,
+      "minItems": 1}, ("x", "y", '","', ",")),
+    ({"type": "array", "items": {"type": "string", "format": "ipv4", "pattern": "^10\\.0\\.0\\.[1-3]$"},
+      "uniqueItems": True, "minItems": 1}, ("1", '","', ",")),
 ]
 
 
 @pytest.mark.parametrize(("schema", "pushed"), BOUNDED_UNIQUE,
-                         ids=["range", "mixed", "bounded-number", "enum", "any-of"])
+                         ids=["range", "mixed", "bounded-number", "enum", "any-of", "pattern", "format"])
 def test_unique_arrays_of_bounded_scalars_neither_repeat_nor_run_into_a_dead_end(setup, schema, pushed):
     """Items that can run out (a range, booleans and null, a number at its maximum, an enum of mixed values, a
-    union of a range and null): a random model pushed to write the same values repeats items without the
+    union of a range and null, a pattern's and a format's strings): a random model pushed to write the same values repeats items without the
     tracker; with it no output repeats one, none ends in an error (the look-ahead removes a value's first digit
     once every value it could become is used, and the comma once none is left), and every output validates."""
     engine, tokenizer, compiler = setup
