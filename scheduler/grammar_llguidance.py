@@ -203,7 +203,7 @@ ASSERTED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", 
 
 def _llg_json(schema: Any) -> dict[str, Any]:
     # In lark's %json the options must ride in the schema: overrides do not reach there.
-    return {**prepare_schema(schema, formats=ASSERTED_FORMATS), "x-guidance": _JSON_OPTIONS}
+    return {**prepare_schema(schema, formats=ASSERTED_FORMATS, lift_unique=True), "x-guidance": _JSON_OPTIONS}
 
 
 def _tools_lark(spec: ConstraintSpec) -> str:

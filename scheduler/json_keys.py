@@ -178,10 +178,12 @@ class _Frame:
     nodes: tuple = ()
     index: int = 0  # an array's items begun before the current one
     space: ItemSpace | None = None
+    values: dict[str, str] | None = None  # an object's discriminating members so far (`SchemaNav.member`)
 
     def copy(self) -> _Frame:
         return _Frame(None if self.keys is None else set(self.keys),
-                      None if self.items is None else set(self.items), self.nodes, self.index, self.space)
+                      None if self.items is None else set(self.items), self.nodes, self.index, self.space,
+                      None if self.values is None else dict(self.values))
 
     @property
     def max_length(self) -> int | None:
@@ -207,6 +209,7 @@ class _Lexer:
     escape: bool = False
     is_key: bool = False
     is_item: bool = False  # the string is an item of a unique array
+    is_value: bool = False  # the string is the value of a discriminating member (`SchemaNav.discriminators`)
     expect_key: bool = False
     key: bytearray = field(default_factory=bytearray)  # a key's or a unique item's bytes so far
     scalar: bytearray = field(default_factory=bytearray)  # a unique array's number or literal item so far
@@ -215,8 +218,8 @@ class _Lexer:
 
     def fork(self) -> _Lexer:
         return _Lexer(list(self.frames), [False] * len(self.frames), self.in_string, self.escape, self.is_key,
-                      self.is_item, self.expect_key, bytearray(self.key), bytearray(self.scalar), self.last_key,
-                      self.schema)
+                      self.is_item, self.is_value, self.expect_key, bytearray(self.key), bytearray(self.scalar),
+                      self.last_key, self.schema)
 
     def repeats_in(self, data: bytes) -> bool:
         """Advance over ``data``; True when it closed a key on one its object already had, or completed an item
@@ -234,8 +237,10 @@ class _Lexer:
                 self.in_string = False
                 if self.is_item:
                     return self._add_item(_decoded(bytes(self.key)))
+                if self.is_value:
+                    self._add_value()
                 return self.is_key and self._add_key()
-            if self.is_key or self.is_item:
+            if self.is_key or self.is_item or self.is_value:
                 self.key.append(b)
             return self.is_item and (self._full_repeat() or self._dead_value())
         if self.scalar and b not in SCALAR_BYTES:
@@ -251,6 +256,8 @@ class _Lexer:
             top_is_object = top is not None and top.keys is not None
             self.is_key = top_is_object and self.expect_key
             self.is_item = top is not None and top.items is not None
+            self.is_value = (top_is_object and not self.is_key and self.schema is not None
+                             and self.last_key in self.schema.discriminators)
             self.in_string, self.expect_key = True, False
             self.key.clear()
             return self.is_item and self._dead_value()
@@ -280,7 +287,8 @@ class _Lexer:
             if parent is None:
                 nodes = self.schema.top()
             elif parent.keys is not None:
-                nodes = self.schema.member(parent.nodes, self.last_key) if self.last_key is not None else ()
+                nodes = (self.schema.member(parent.nodes, self.last_key, parent.values)
+                         if self.last_key is not None else ())
             else:
                 nodes = self.schema.item(parent.nodes, parent.index)
         unique = b == OPEN_ARRAY and self.schema is not None and self.schema.unique(nodes)
@@ -307,6 +315,12 @@ class _Lexer:
             return True
         self._mine().keys.add(name)
         return False
+
+    def _add_value(self) -> None:
+        value = _decoded(bytes(self.key))
+        if value is not None and self.frames and self.last_key is not None:
+            frame = self._mine()
+            frame.values = {**(frame.values or {}), self.last_key: value}
 
     def _dead_value(self) -> bool:
         """A string item of a unique array that can no longer become a value the array lacks."""
@@ -343,6 +357,7 @@ class KeyTracker:
     restart_at: bytes = b""
     armed: bool = True
     schema: SchemaNav | None = None  # unique arrays to enforce (`scheduler.unique_items`)
+    call_schema: SchemaNav | None = None  # those of each call after `restart_at` (a function's arguments)
     checks: bool = True  # False: nothing can repeat (closed objects only); the lexer still serves closing paths
     lexer: _Lexer = field(default_factory=_Lexer)
     _tail: bytes = b""  # the last bytes seen, to find `restart_at` across token boundaries
@@ -361,7 +376,7 @@ class KeyTracker:
             at = seen.rfind(self.restart_at)
             self._tail = seen[-len(self.restart_at):]
             if at >= 0:  # a new call: a new document from here
-                self.lexer, self.armed = _Lexer(schema=self.schema), True
+                self.lexer, self.armed = _Lexer(schema=self.call_schema), True
                 data = seen[at + len(self.restart_at):]
         if self.armed:
             self.lexer.repeats_in(data)

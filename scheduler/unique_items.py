@@ -12,9 +12,9 @@ The look-ahead is what keeps the grammar from a dead end: a token is removed whe
 are all used (the `5` of an integer up to 5 once 5 is used), not only where it closes the item, and once no new
 item is left the comma of another is removed. Strings under a `pattern` or a `format` are asked of the grammar
 engine (`scheduler.pattern_items`). Item spaces that can not be followed exactly stay for the backend to
-refuse, naming `uniqueItems`: items composed by `allOf`, `not` or `if`, objects and arrays. A JSON-schema
-response format only: in a tool call the document is a function's arguments, and the functions' schemas are
-not followed.
+refuse, naming `uniqueItems`: items composed by `allOf`, `not` or `if`, objects and arrays. In a tool call the
+document is `{"name": ..., "arguments": ...}`: `call_nav` follows it as one branch per function, told apart by
+the name (`SchemaNav.discriminators`).
 Should a repeat still be the only way on (an item spelled with escapes up to its maxLength), the request ends
 with an error rather than a repeated item.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping
 from functools import reduce
 from typing import Any
 
@@ -80,18 +81,46 @@ def lift(schema: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def unique_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav | None:
-    """The schemas to follow for a JSON-schema constraint whose grammar left out some `uniqueItems` (as
-    `prepare_schema(..., lift_unique=True)` does), pattern and format items asked of ``patterns``; None when
-    none was left out."""
-    if spec.kind != "json_schema" or '"uniqueItems"' not in spec.value:
+    """The schemas to follow for a JSON-schema constraint, or a tool-or-answer union's answer, whose grammar left
+    out some `uniqueItems` (as `prepare_schema(..., lift_unique=True)` does), pattern and format items asked of
+    ``patterns``; None when none was left out."""
+    if '"uniqueItems"' not in spec.value:
         return None
-    schema = spec.schema
+    if spec.kind == "json_schema":
+        schema = spec.schema
+    elif spec.kind == "tools" and spec.tool_mode == "auto":
+        schema = spec.answer_schema
+    else:
+        return None
+    kept, strict = _lifted(schema)
+    return SchemaNav(kept, patterns, strict) if kept is not None else None
+
+
+def call_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav | None:
+    """The schemas to follow in a tool call (`{"name": ..., "arguments": ...}`), whose functions' parameters
+    left out some `uniqueItems` in the grammar: one branch per function, told apart by its name; None when no
+    function's parameters left any out."""
+    if spec.kind != "tools" or '"uniqueItems"' not in spec.value:
+        return None
+    branches, lifted, strict = [], False, True
+    for fn in spec.functions:
+        params = fn["parameters"] if isinstance(fn["parameters"], dict) else {}
+        kept, fn_strict = _lifted(params)
+        lifted, strict = lifted or kept is not None, strict and fn_strict
+        branches.append({"type": "object", "properties": {"name": {"const": fn["name"]},
+                                                          "arguments": kept if kept is not None else params}})
+    return SchemaNav({"anyOf": branches}, patterns, strict) if lifted else None
+
+
+def _lifted(schema: Any) -> tuple[dict[str, Any] | None, bool]:
+    """(a copy of ``schema``, rewritten as the grammar's is, that keeps the `uniqueItems` the grammar leaves out,
+    or None when it leaves none out; whether the schema takes the strict narrowing)."""
     if not isinstance(schema, dict):
-        return None
+        return None, True
+    schema = copy.deepcopy(schema)
     strict = wants_strict(schema)
     rewrite(schema)
-    kept = lift(schema)
-    return SchemaNav(kept, patterns, strict) if kept is not None else None
+    return lift(schema), strict
 
 
 class SchemaNav:
@@ -104,14 +133,25 @@ class SchemaNav:
         self.root = root
         self.patterns = patterns
         self.strict = strict  # numbers are written as `strict_schema` bounds them
+        # Members whose string values tell branches apart (a `const` in some `properties`): the lexer records
+        # them, and a branch whose const another value contradicts is left out below them.
+        self.discriminators = frozenset(
+            key for node in iter_subschemas(root) if isinstance(node.get("properties"), dict)
+            for key, sub in node["properties"].items() if isinstance(sub, dict) and isinstance(sub.get("const"), str))
 
     def top(self) -> tuple[dict[str, Any], ...]:
         return self._expand([self.root])
 
-    def member(self, nodes: tuple[dict[str, Any], ...], key: str) -> tuple[dict[str, Any], ...]:
+    def member(self, nodes: tuple[dict[str, Any], ...], key: str,
+               values: Mapping[str, str] | None = None) -> tuple[dict[str, Any], ...]:
+        """The schemas of member ``key`` of an object under ``nodes`` whose recorded discriminator ``values``
+        are those (a node whose property const differs from one is not the object's)."""
         found: list[Any] = []
         for node in nodes:
             props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            if values and any(isinstance(props.get(k), dict) and props[k].get("const", v) != v
+                              for k, v in values.items()):
+                continue
             if key in props:
                 found.append(props[key])
                 continue

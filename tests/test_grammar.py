@@ -794,11 +794,48 @@ def test_unique_items_the_host_can_not_follow_exactly_stays_refused(compiler, it
     a tool's parameters and on the outlines-core backend."""
     with pytest.raises(UnsupportedConstraintError, match="uniqueItems"):
         compiler.compile(ConstraintSpec.json_schema({"type": "array", "items": items, "uniqueItems": True}))
-    params = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
-                                                        "uniqueItems": True}}}
+    params = {"type": "object", "properties": {"xs": {"type": "array", "items": items, "uniqueItems": True}}}
     with pytest.raises(UnsupportedConstraintError, match="uniqueItems"):
         compiler.compile(ConstraintSpec.tools([{"type": "function", "function": {"name": "f", "parameters": params}}],
                                               "required"))
+
+
+def _function(name: str, tags: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"tags": tags}, "required": ["tags"]}}}
+
+
+UNIQUE_TAGS = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+
+
+@pytest.mark.parametrize("mode", ["required", "auto", "auto-answer"])
+def test_unique_items_in_a_tool_call_are_kept_per_function(compiler, tokenizer, mode):
+    """A function's parameters with `uniqueItems` over scalars compile: in each call the host follows that
+    function's own arguments (told apart by the call's name), so `f`'s unique tags can not repeat while `g`'s
+    plain ones may; the answer of a tool-or-answer union is followed by its own schema."""
+    everything = np.full((tokenizer.vocab_size + 31) // 32, 0xFFFFFFFF, np.uint32)
+    answer = ConstraintSpec.json_schema({"type": "object", "properties": {"ids": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "required": ["ids"]})
+    spec = ConstraintSpec.tools([_function("f", UNIQUE_TAGS), _function("g", {"type": "array",
+                                                                               "items": {"type": "string"}})],
+                                "required" if mode == "required" else "auto",
+                                answer=answer if mode == "auto-answer" else None, parallel=True)
+    compiled = compiler.compile(spec)
+    assert compiled.call_unique is not None
+
+    def repeating(text: str) -> set[str]:
+        tracker = compiler.matcher(compiled).keys
+        tracker.feed(text.encode())
+        return {tokenizer.decode([t]) for t in tracker.repeating(everything)}
+
+    lead = "" if mode == "required" else TOOL_CALL_MARKER
+    assert '"' in repeating(lead + '{"name":"f","arguments":{"tags":["a","b","a')
+    assert '"' not in repeating(lead + '{"name":"g","arguments":{"tags":["a","b","a')
+    second = lead + '{"name":"g","arguments":{"tags":["a"]}}' + TOOL_CALL_MARKER  # then a call of f
+    assert '"' in repeating(second + '{"name":"f","arguments":{"tags":["a","b","a')
+    if mode == "auto-answer":
+        assert {",", "]"} <= repeating('{"ids":[4,7,4')
+        assert compiled.unique is not None
 
 
 @pytest.mark.parametrize(("schema", "possible"), [
