@@ -475,9 +475,10 @@ BOUNDED_UNIQUE = [
                          ids=["range", "mixed", "bounded-number", "enum", "any-of", "pattern", "format"])
 def test_unique_arrays_of_bounded_scalars_neither_repeat_nor_run_into_a_dead_end(setup, schema, pushed):
     """Items that can run out (a range, booleans and null, a number at its maximum, an enum of mixed values, a
-    union of a range and null, a pattern's and a format's strings): a random model pushed to write the same values repeats items without the
-    tracker; with it no output repeats one, none ends in an error (the look-ahead removes a value's first digit
-    once every value it could become is used, and the comma once none is left), and every output validates."""
+    union of a range and null, a pattern's and a format's strings): a random model pushed to write the same
+    values repeats items without the tracker; with it no output repeats one, none ends in an error (the
+    look-ahead removes a value's first character once every value it could become is used, and the comma once
+    none is left), and every output validates."""
     engine, tokenizer, compiler = setup
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
     bias = tuple((tokenizer.encode(text)[0], 7.0) for text in pushed)
