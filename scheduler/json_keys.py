@@ -16,6 +16,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -34,6 +35,7 @@ JSON_SPACE = frozenset(b" \t\n\r")
 # What a number or a literal item is spelled with; a token of only these (and of what may end an item) is one
 # that could write such an item.
 SCALAR_BYTES = frozenset(b"-+.0123456789eEtrufalsn")
+_VERSIONS = itertools.count(1)  # `_Lexer.version`s: unique across lexers, so a cache never mistakes one for another
 
 __all__ = ["KeyTracker", "QuoteTokens", "quote_tokens"]
 
@@ -159,6 +161,7 @@ def _spelled(text: str) -> bytes:
     return json.dumps(text, ensure_ascii=False)[1:-1].encode()
 
 
+@lru_cache(maxsize=4096)
 def _decoded(raw: bytes) -> str | None:
     """A JSON string's value from its bytes between the quotes, or None when they are not a whole string."""
     try:
@@ -215,11 +218,12 @@ class _Lexer:
     scalar: bytearray = field(default_factory=bytearray)  # a unique array's number or literal item so far
     last_key: str | None = None
     schema: SchemaNav | None = None
+    version: int = 0  # changes whenever the used keys or items of the open containers may have changed
 
     def fork(self) -> _Lexer:
         return _Lexer(list(self.frames), [False] * len(self.frames), self.in_string, self.escape, self.is_key,
                       self.is_item, self.is_value, self.expect_key, bytearray(self.key), bytearray(self.scalar),
-                      self.last_key, self.schema)
+                      self.last_key, self.schema, self.version)
 
     def repeats_in(self, data: bytes) -> bool:
         """Advance over ``data``; True when it closed a key on one its object already had, or completed an item
@@ -267,6 +271,7 @@ class _Lexer:
             if self.frames:
                 self.frames.pop()
                 self.owned.pop()
+                self.version = next(_VERSIONS)
             self.expect_key = False
         elif b == COMMA:
             self.expect_key = top is not None and top.keys is not None
@@ -314,6 +319,7 @@ class _Lexer:
         if name in self.frames[-1].keys:
             return True
         self._mine().keys.add(name)
+        self.version = next(_VERSIONS)
         return False
 
     def _add_value(self) -> None:
@@ -341,6 +347,7 @@ class _Lexer:
         if value in self.frames[-1].items:
             return True
         self._mine().items.add(value)
+        self.version = next(_VERSIONS)
         return False
 
     def in_unique_array(self) -> bool:
@@ -361,6 +368,8 @@ class KeyTracker:
     checks: bool = True  # False: nothing can repeat (closed objects only); the lexer still serves closing paths
     lexer: _Lexer = field(default_factory=_Lexer)
     _tail: bytes = b""  # the last bytes seen, to find `restart_at` across token boundaries
+    _cached_version: int = -1  # `_enclosing`'s answer, for the lexer's used values of this version
+    _cached: tuple[bool, np.ndarray] = (False, np.zeros(0, np.int64))
 
     def __post_init__(self) -> None:
         self.lexer.schema = self.schema
@@ -403,17 +412,16 @@ class KeyTracker:
         lexer, quotes = self.lexer, self.quotes
         if not self.armed or not self.checks:
             return []
-        keys = [key for frame in lexer.frames if frame.keys for key in frame.keys]
+        any_key, enclosing = self._enclosing()
         unique = lexer.in_unique_array()
-        if not keys and not unique:
+        if not any_key and not unique:
             return []  # no object has a key yet and no unique array is open: nothing can repeat
-        items = [v for frame in lexer.frames if frame.items for v in frame.items if isinstance(v, str)]
         # A token repeats a key or a string item if it closes the string being written on one, or holds one
         # between two of its quotes (it opens and closes it); a number or literal item by any byte of it.
-        found = quotes.enclosing_any(keys + items)
+        candidates = [enclosing]
         if lexer.in_string:
-            found |= self._closing_current()
-        candidates = [np.fromiter(found, np.int64, len(found))]
+            closing = self._closing_current()
+            candidates.append(np.fromiter(closing, np.int64, len(closing)))
         if unique:  # a token writing or ending a number or literal item (after closing this string, with a quote)
             space = lexer.frames[-1].space
             if space is not None and (space.enum_strings or space.pattern_strings):
@@ -427,9 +435,20 @@ class KeyTracker:
             else:
                 candidates.append(quotes.quoted_scalar_ends if lexer.in_string else quotes.scalar_tokens)
         # Only the tokens the grammar allows are checked: filtered per list first (a gather), merged after.
-        allowed = [_allowed(ids, row_mask) for ids in candidates]
-        allowed = allowed[0] if len(allowed) == 1 else np.unique(np.concatenate(allowed))
-        return [int(token) for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(int(token)))]
+        allowed = {token for ids in candidates if len(ids) for token in _allowed(ids, row_mask).tolist()}
+        return [token for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(token))]
+
+    def _enclosing(self) -> tuple[bool, np.ndarray]:
+        """(whether any open object has a key; the ids of the tokens holding a used key or string item between
+        two of their quotes), kept until the lexer's used values change."""
+        lexer = self.lexer
+        if self._cached_version != lexer.version:
+            keys = [key for frame in lexer.frames if frame.keys for key in frame.keys]
+            items = [v for frame in lexer.frames if frame.items for v in frame.items if isinstance(v, str)]
+            found = self.quotes.enclosing_any(keys + items)
+            self._cached = bool(keys), np.fromiter(found, np.int64, len(found))
+            self._cached_version = lexer.version
+        return self._cached
 
     def _doubtful_in_patterns(self, row_mask: np.ndarray) -> np.ndarray | None:
         """Inside a unique array's item whose string parts are all patterns (`scheduler.pattern_items`): the
