@@ -44,7 +44,7 @@ from scheduler.grammar_outlines import OutlinesCoreBackend, OutlinesMatcher
 from scheduler.grammar_spec import ConstraintSpec, GrammarBusyError, UnsupportedConstraintError
 from scheduler.json_keys import KeyTracker, QuoteTokens, quote_tokens
 from scheduler.tool_protocol import TOOL_CALL_MARKER
-from scheduler.unique_items import SchemaNav, call_nav, unique_nav
+from scheduler.unique_items import SchemaNav, call_nav, document_nav
 
 # What the compiler does unless told otherwise (the server's config and the runtime read these).
 DEFAULT_BACKEND = "llguidance"
@@ -73,8 +73,10 @@ class CompiledGrammar:
     backend: str
     compile_s: float  # wall time of the compile itself
     handle: Any = field(repr=False, compare=False)  # LLMatcher template / outlines-core Index
-    unique: SchemaNav | None = field(default=None, repr=False, compare=False)  # arrays the host keeps unique
-    call_unique: SchemaNav | None = field(default=None, repr=False, compare=False)  # those in tool calls
+    # The schemas the host's key tracker follows the document and each tool call by (`scheduler.unique_items`):
+    # which arrays it keeps unique, which objects may repeat a key.
+    nav: SchemaNav | None = field(default=None, repr=False, compare=False)
+    call_nav: SchemaNav | None = field(default=None, repr=False, compare=False)
     repeats_possible: bool = True  # some key or unique item could repeat: the host's tracker checks each step
 
 
@@ -191,8 +193,8 @@ class GrammarCompiler:
             first_is_call = calls and spec.tool_mode != "auto"  # no marker before a required call
             matcher.keys = KeyTracker(self.quote_tokens(), restart_at=TOOL_CALL_MARKER.encode() if calls else b"",
                                       armed=not calls or spec.answer_schema is not None or spec.tool_mode != "auto",
-                                      schema=compiled.call_unique if first_is_call else compiled.unique,
-                                      call_schema=compiled.call_unique, checks=compiled.repeats_possible)
+                                      schema=compiled.call_nav if first_is_call else compiled.nav,
+                                      call_schema=compiled.call_nav, checks=compiled.repeats_possible)
         return matcher
 
     def quote_tokens(self) -> QuoteTokens:
@@ -230,7 +232,7 @@ class GrammarCompiler:
                 unique = calls = None
                 if self.backend == "llguidance":
                     patterns = self._backend.pattern_language()
-                    unique, calls = unique_nav(spec, patterns), call_nav(spec, patterns)
+                    unique, calls = document_nav(spec, patterns), call_nav(spec, patterns)
                 compiled = CompiledGrammar(spec, self.backend, time.perf_counter() - start, handle, unique,
                                            calls, repeats_possible(spec))
                 self._settle(future, result=compiled)

@@ -17,7 +17,7 @@ from core.tokenizer import Tokenizer
 from scheduler.grammar_spec import ConstraintSpec, UnsupportedConstraintError
 from scheduler.json_keys import KeyTracker
 from scheduler.schema_rewrite import rewrite
-from scheduler.schema_walk import iter_subschemas
+from scheduler.schema_walk import admits_undeclared_keys, iter_subschemas
 from scheduler.strict_schema import tighten, wants_strict
 from scheduler.unique_items import lift
 
@@ -133,11 +133,6 @@ def prepare_schema(schema: Any, bound_literals: bool = True, formats: frozenset[
     return schema
 
 
-# Keywords that neither admit nor forbid keys by themselves: a node holding only these leaves it to its branches.
-_PASS_THROUGH = frozenset({"anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "$schema", "$id", "$comment",
-                           "title", "description", "default", "examples", "x-slotserve"})
-
-
 def repeats_possible(spec: ConstraintSpec) -> bool:
     """Whether a document of ``spec`` could repeat a key or a unique item, so the host's tracker must check
     (`scheduler.json_keys`): some object admits keys it does not declare, or the host enforces a unique array.
@@ -153,11 +148,4 @@ def repeats_possible(spec: ConstraintSpec) -> bool:
         return True
     if '"uniqueItems"' in spec.value:
         return True
-    for node in iter_subschemas(schema):
-        kinds = node.get("type")
-        may_be_object = kinds is None or kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
-        if not may_be_object or (node and set(node) <= _PASS_THROUGH):
-            continue
-        if node.get("patternProperties") or node.get("additionalProperties", True) is not False:
-            return True
-    return False
+    return any(admits_undeclared_keys(node) for node in iter_subschemas(schema))

@@ -72,14 +72,21 @@ class QuoteTokens:
         """The ids of the tokens that close a string whose bytes so far are ``written`` on one of ``texts``
         (compared decoded, so escape spellings count); every quote token while ``written`` ends inside an
         escape (then a token's first byte belongs to it) or on half a surrogate pair (the other half joins it)."""
-        start = _decoded(written)
-        if start is None or (start and "\ud800" <= start[-1] <= "\udbff"):
+        if not closes_exactly(written):
             return set(self.ids.tolist())
+        start = _decoded(written)
         found: set[int] = set()
         for text in texts:
             if text.startswith(start):
                 found.update(self.closes_with.get(text[len(start):], ()))
         return found
+
+
+def closes_exactly(written: bytes) -> bool:
+    """Whether a string whose bytes so far are ``written`` is whole text, so that a token's bytes before its
+    quote add exactly `QuoteTokens.closes_with`'s text: not inside an escape, not on half a surrogate pair."""
+    start = _decoded(written)
+    return start is not None and not (start and "\ud800" <= start[-1] <= "\udbff")
 
 
 def quote_tokens(tokenizer) -> QuoteTokens:
@@ -182,11 +189,12 @@ class _Frame:
     index: int = 0  # an array's items begun before the current one
     space: ItemSpace | None = None
     values: dict[str, str] | None = None  # an object's discriminating members so far (`SchemaNav.member`)
+    closed: bool = False  # an object whose schema admits only declared keys (the grammar writes each once)
 
     def copy(self) -> _Frame:
         return _Frame(None if self.keys is None else set(self.keys),
                       None if self.items is None else set(self.items), self.nodes, self.index, self.space,
-                      None if self.values is None else dict(self.values))
+                      None if self.values is None else dict(self.values), self.closed)
 
     @property
     def max_length(self) -> int | None:
@@ -298,8 +306,9 @@ class _Lexer:
                 nodes = self.schema.item(parent.nodes, parent.index)
         unique = b == OPEN_ARRAY and self.schema is not None and self.schema.unique(nodes)
         space = self.schema.item_space(nodes) if unique else None
+        closed = b == OPEN_OBJECT and self.schema is not None and not self.schema.keys_may_repeat(nodes)
         self.frames.append(_Frame(set() if b == OPEN_OBJECT else None, set() if unique else None, nodes,
-                                  space=space))
+                                  space=space, closed=closed))
         self.owned.append(True)
         self.expect_key = b == OPEN_OBJECT
 
@@ -316,6 +325,8 @@ class _Lexer:
         if name is None:
             return False
         self.last_key = name
+        if self.frames[-1].closed:
+            return False  # its keys are declared ones: the grammar writes each at most once
         if name in self.frames[-1].keys:
             return True
         self._mine().keys.add(name)
@@ -399,11 +410,12 @@ class KeyTracker:
         if not repeats:
             return 0
         ids = np.asarray(repeats, np.int64)
-        kept = row_mask.copy()
-        np.bitwise_and.at(kept, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
-        if not kept.any() and not self.lexer.in_unique_array():
+        words = np.unique(ids >> 5)
+        before = row_mask[words]  # cleared in place; put back if that left no token where a key may repeat
+        np.bitwise_and.at(row_mask, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        if not row_mask.any() and not self.lexer.in_unique_array():
+            row_mask[words] = before
             return 0
-        row_mask[:] = kept
         return len(repeats)
 
     def repeating(self, row_mask: np.ndarray) -> list[int]:
@@ -418,10 +430,10 @@ class KeyTracker:
             return []  # no object has a key yet and no unique array is open: nothing can repeat
         # A token repeats a key or a string item if it closes the string being written on one, or holds one
         # between two of its quotes (it opens and closes it); a number or literal item by any byte of it.
-        candidates = [enclosing]
+        candidates, certain = [enclosing], set()
         if lexer.in_string:
-            closing = self._closing_current()
-            candidates.append(np.fromiter(closing, np.int64, len(closing)))
+            certain, doubtful = self._closing_current()
+            candidates.append(np.fromiter(doubtful, np.int64, len(doubtful)))
         if unique:  # a token writing or ending a number or literal item (after closing this string, with a quote)
             space = lexer.frames[-1].space
             if space is not None and (space.enum_strings or space.pattern_strings):
@@ -436,7 +448,8 @@ class KeyTracker:
                 candidates.append(quotes.quoted_scalar_ends if lexer.in_string else quotes.scalar_tokens)
         # Only the tokens the grammar allows are checked: filtered per list first (a gather), merged after.
         allowed = {token for ids in candidates if len(ids) for token in _allowed(ids, row_mask).tolist()}
-        return [token for token in allowed if lexer.fork().repeats_in(quotes.token_bytes(token))]
+        found = _allowed(np.fromiter(certain, np.int64, len(certain)), row_mask).tolist() if certain else []
+        return found + [token for token in allowed - certain if lexer.fork().repeats_in(quotes.token_bytes(token))]
 
     def _enclosing(self) -> tuple[bool, np.ndarray]:
         """(whether any open object has a key; the ids of the tokens holding a used key or string item between
@@ -467,21 +480,26 @@ class KeyTracker:
         keep = reduce(np.bitwise_or, (_fit(part.mask(written, top.items), len(row_mask)) for part in parts))
         return _set_bits(row_mask & ~keep)
 
-    def _closing_current(self) -> set[int]:
-        """The tokens that would end the key or unique item being written on a used one: those closing it (their
-        bytes before a quote complete it), and those filling a string item to its maxLength on one."""
+    def _closing_current(self) -> tuple[set[int], set[int]]:
+        """The tokens that would end the key or unique item being written on a used one: (those that certainly
+        do: closing it on one, their bytes before the quote completing it; those to check one by one: the
+        closers while it ends inside an escape, and those filling a string item to its maxLength on one)."""
         lexer = self.lexer
         top = lexer.frames[-1] if lexer.frames else None
         if top is None or not (lexer.is_key or lexer.is_item):
-            return set()
+            return set(), set()
         used = top.keys if lexer.is_key else [v for v in top.items if isinstance(v, str)]
-        found = self.quotes.closing_on(bytes(lexer.key), used)
+        if not used:
+            return set(), set()
+        written = bytes(lexer.key)
+        closers = self.quotes.closing_on(written, used)
+        certain, doubtful = (closers, set()) if closes_exactly(written) else (set(), closers)
         if lexer.is_item and top.max_length is not None:
             for item in used:
                 spelled = _spelled(item)
-                if len(item) == top.max_length and spelled.startswith(lexer.key) and len(spelled) > len(lexer.key):
-                    found.update(self.quotes.by_bytes.get(spelled[len(lexer.key):], ()))
-        return found
+                if len(item) == top.max_length and spelled.startswith(written) and len(spelled) > len(written):
+                    doubtful.update(self.quotes.by_bytes.get(spelled[len(written):], ()))
+        return certain, doubtful
 
     def growth(self) -> np.ndarray | None:
         """Bitmask words of the tokens that would add a member or an item from where the document stands

@@ -40,3 +40,18 @@ def iter_subschemas(schema: Any) -> Iterator[dict[str, Any]]:
             continue
         yield node
         stack.extend(sub for _, sub in children(node))
+
+
+# Keywords that neither admit nor forbid keys by themselves: a node holding only these leaves it to its branches.
+PASS_THROUGH = frozenset({"anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "$schema", "$id", "$comment",
+                          "title", "description", "default", "examples", "x-slotserve"})
+
+
+def admits_undeclared_keys(node: dict[str, Any]) -> bool:
+    """Whether an object under ``node`` may hold keys it does not declare (so a key could repeat): it may be an
+    object, is not a mere wrapper of branches, and has pattern properties or no `additionalProperties: false`."""
+    kinds = node.get("type")
+    may_be_object = kinds is None or kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
+    if not may_be_object or (node and set(node) <= PASS_THROUGH):
+        return False
+    return bool(node.get("patternProperties")) or node.get("additionalProperties", True) is not False

@@ -31,8 +31,8 @@ from scheduler.grammar_spec import ConstraintSpec
 from scheduler.item_space import ItemSpace, item_space
 from scheduler.pattern_items import PatternLanguage
 from scheduler.schema_rewrite import rewrite
-from scheduler.schema_walk import iter_subschemas
-from scheduler.strict_schema import wants_strict
+from scheduler.schema_walk import admits_undeclared_keys, iter_subschemas
+from scheduler.strict_schema import tighten, wants_strict
 
 _ARRAY_TUPLES = ("prefixItems", "additionalItems", "contains")
 MAX_REF_DEPTH = 32  # $ref chains followed per lookup (a cycle of refs alone is a schema error)
@@ -80,47 +80,48 @@ def lift(schema: dict[str, Any]) -> dict[str, Any] | None:
     return kept
 
 
-def unique_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav | None:
-    """The schemas to follow for a JSON-schema constraint, or a tool-or-answer union's answer, whose grammar left
-    out some `uniqueItems` (as `prepare_schema(..., lift_unique=True)` does), pattern and format items asked of
-    ``patterns``; None when none was left out."""
-    if '"uniqueItems"' not in spec.value:
-        return None
+def document_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav | None:
+    """The schemas the host follows a JSON-schema constraint's document (or a tool-or-answer union's answer) by:
+    which arrays it keeps unique (the `uniqueItems` the grammar left out, as `prepare_schema(...,
+    lift_unique=True)` does; pattern and format items asked of ``patterns``) and which objects may repeat a
+    key. None for other constraints."""
     if spec.kind == "json_schema":
         schema = spec.schema
-    elif spec.kind == "tools" and spec.tool_mode == "auto":
+    elif spec.kind == "tools" and spec.tool_mode == "auto" and spec.answer_schema is not None:
         schema = spec.answer_schema
     else:
         return None
-    kept, strict = _lifted(schema)
-    return SchemaNav(kept, patterns, strict) if kept is not None else None
+    root, strict = _followed(schema)
+    return SchemaNav(root, patterns, strict)
 
 
 def call_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav | None:
-    """The schemas to follow in a tool call (`{"name": ..., "arguments": ...}`), whose functions' parameters
-    left out some `uniqueItems` in the grammar: one branch per function, told apart by its name; None when no
-    function's parameters left any out."""
-    if spec.kind != "tools" or '"uniqueItems"' not in spec.value:
+    """The schemas the host follows a tool call (`{"name": ..., "arguments": ...}`) by: one branch per function,
+    told apart by its name, whose arguments are its parameters as the grammar has them. None but for tools."""
+    if spec.kind != "tools":
         return None
-    branches, lifted, strict = [], False, True
+    branches, strict = [], True
     for fn in spec.functions:
-        params = fn["parameters"] if isinstance(fn["parameters"], dict) else {}
-        kept, fn_strict = _lifted(params)
-        lifted, strict = lifted or kept is not None, strict and fn_strict
-        branches.append({"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                          "arguments": kept if kept is not None else params}})
-    return SchemaNav({"anyOf": branches}, patterns, strict) if lifted else None
+        root, fn_strict = _followed(fn["parameters"])
+        strict = strict and fn_strict
+        branches.append({"type": "object", "additionalProperties": False,
+                         "properties": {"name": {"const": fn["name"]}, "arguments": root}})
+    return SchemaNav({"anyOf": branches}, patterns, strict)
 
 
-def _lifted(schema: Any) -> tuple[dict[str, Any] | None, bool]:
-    """(a copy of ``schema``, rewritten as the grammar's is, that keeps the `uniqueItems` the grammar leaves out,
-    or None when it leaves none out; whether the schema takes the strict narrowing)."""
+def _followed(schema: Any) -> tuple[dict[str, Any], bool]:
+    """(a copy of ``schema`` as the grammar has it: rewritten, objects closed by the strict narrowing, but with the
+    `uniqueItems` the grammar leaves out kept; whether the schema takes the strict narrowing)."""
     if not isinstance(schema, dict):
-        return None, True
+        return {}, True  # `true` (anything), or a schema the grammar refused
     schema = copy.deepcopy(schema)
     strict = wants_strict(schema)
     rewrite(schema)
-    return lift(schema), strict
+    kept = lift(schema)
+    root = kept if kept is not None else schema
+    if strict:
+        tighten(root, numbers=False)
+    return root, strict
 
 
 class SchemaNav:
@@ -177,6 +178,11 @@ class SchemaNav:
     @staticmethod
     def unique(nodes: tuple[dict[str, Any], ...]) -> bool:
         return any(node.get("uniqueItems") is True for node in nodes)
+
+    @staticmethod
+    def keys_may_repeat(nodes: tuple[dict[str, Any], ...]) -> bool:
+        """Whether an object under ``nodes`` may hold undeclared keys (unknown schemas: it may)."""
+        return not nodes or any(admits_undeclared_keys(node) for node in nodes)
 
     def item_space(self, nodes: tuple[dict[str, Any], ...]) -> ItemSpace | None:
         """What the items of a unique array under ``nodes`` can be (every unique branch's together)."""

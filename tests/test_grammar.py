@@ -783,7 +783,7 @@ def test_unique_items_on_short_arrays_booleans_and_small_enums_is_enforced(compi
 def test_unique_items_over_scalars_compiles_with_the_host_enforcing_it(compiler, items):
     schema = {"type": "array", "items": items, "uniqueItems": True, "$defs": {"word": {"type": "string"}}}
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
-    assert compiled.unique is not None and compiled.unique.unique(compiled.unique.top())
+    assert compiled.nav is not None and compiled.nav.unique(compiled.nav.top())
 
 
 @pytest.mark.parametrize("items", [{"type": "object"}, {"anyOf": [{"type": "integer"}, {"type": "object"}]},
@@ -821,7 +821,7 @@ def test_unique_items_in_a_tool_call_are_kept_per_function(compiler, tokenizer, 
                                 "required" if mode == "required" else "auto",
                                 answer=answer if mode == "auto-answer" else None, parallel=True)
     compiled = compiler.compile(spec)
-    assert compiled.call_unique is not None
+    assert compiled.call_nav is not None
 
     def repeating(text: str) -> set[str]:
         tracker = compiler.matcher(compiled).keys
@@ -835,7 +835,7 @@ def test_unique_items_in_a_tool_call_are_kept_per_function(compiler, tokenizer, 
     assert '"' in repeating(second + '{"name":"f","arguments":{"tags":["a","b","a')
     if mode == "auto-answer":
         assert {",", "]"} <= repeating('{"ids":[4,7,4')
-        assert compiled.unique is not None
+        assert compiled.nav is not None
 
 
 @pytest.mark.parametrize(("schema", "possible"), [
@@ -853,3 +853,25 @@ def test_the_repeat_tracker_checks_only_where_a_key_or_an_item_could_repeat(comp
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
     assert compiled.repeats_possible is possible
     assert compiler.matcher(compiled).keys.checks is possible
+
+
+def test_the_tracker_checks_keys_only_in_objects_that_admit_undeclared_ones(compiler, tokenizer):
+    """Per object, as the grammar has it after the strict narrowing: in an open object (additionalProperties) a
+    used key can not close again; in a closed one (declared properties only, each written once by the grammar)
+    the tracker has nothing to check, and a document of closed objects costs it no work per step."""
+    everything = np.full((tokenizer.vocab_size + 31) // 32, 0xFFFFFFFF, np.uint32)
+    schema = {"type": "object", "properties": {
+        "meta": {"type": "object", "additionalProperties": {"type": "string"}},
+        "point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}},
+        "both": {"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}}}]}}}
+    compiled = compiler.compile(ConstraintSpec.json_schema(schema))
+
+    def tracked(document: bytes) -> tuple[bool, set[str]]:
+        tracker = compiler.matcher(compiled).keys
+        tracker.feed(document)
+        return tracker.lexer.frames[-1].closed, {tokenizer.decode([t]) for t in tracker.repeating(everything)}
+
+    closed, repeats = tracked(b'{"meta":{"a":"1","a')
+    assert not closed and {'"', '":'} <= repeats
+    assert tracked(b'{"point":{"x":1,"') == (True, set())
+    assert tracked(b'{"both":{"x":1,"')[0] is False  # allOf sides stay open: the grammar may admit more keys

@@ -139,7 +139,7 @@ def test_pattern_items_are_dead_exactly_where_the_grammars_own_language_says(com
     values = string_language(compiler, tokenizer, items, alphabet, longest)
     assert 3 <= len(values) <= 40, values
     schema = {"type": "array", "items": items, "uniqueItems": True}
-    nav = compiler.compile(ConstraintSpec.json_schema(schema)).unique
+    nav = compiler.compile(ConstraintSpec.json_schema(schema)).nav
     space = nav.item_space(nav.top())
     [part] = space.strings
     bounded = "pattern" in items and items["pattern"] != "b"  # "b" reaches past what is walked

@@ -349,7 +349,7 @@ def test_a_unique_array_cannot_complete_an_item_it_holds(setup):
     _, tokenizer, compiler = setup
     everything = np.full((VOCAB + 31) // 32, 0xFFFFFFFF, np.uint32)
     compiled = compiler.compile(ConstraintSpec.json_schema(UNIQUE_SCHEMA))
-    assert compiled.unique is not None
+    assert compiled.nav is not None
 
     def completing(document: bytes, mask: np.ndarray = everything) -> set[str]:
         tracker = compiler.matcher(compiled).keys
