@@ -99,8 +99,10 @@ class PatternLanguage:
         self._options = options
         self._lock = threading.Lock()
         self._byte_matchers: OrderedDict[tuple[str, frozenset[str]], LLMatcher] = OrderedDict()
-        # (schema, used) -> a matcher over the model's tokens and the item bytes it has consumed
-        self._token_matchers: OrderedDict[tuple[str, frozenset[str]], tuple[LLMatcher, bytes]] = OrderedDict()
+        # (schema, used) -> a matcher over the model's tokens in its start state, one advanced over some item
+        # bytes, and those bytes
+        self._token_matchers: OrderedDict[tuple[str, frozenset[str]],
+                                          tuple[LLMatcher, LLMatcher, bytes]] = OrderedDict()
 
     def items(self, node: dict[str, Any], strict: bool = True):
         """The string part of a unique array's items under ``node``: PatternItems where a pattern or an
@@ -127,12 +129,16 @@ class PatternLanguage:
         words = (self.tokenizer.vocab_size + 31) // 32
         with self._lock:
             key = (schema, used)
-            matcher, fed = self._token_matchers.pop(key, (None, b""))
-            if matcher is None or not written.startswith(fed):
-                matcher, fed = LLMatcher(self.tokenizer, self._grammar(schema, used), log_level=0), b""
+            entry = self._token_matchers.pop(key, None)
+            if entry is None:
+                start = LLMatcher(self.tokenizer, self._grammar(schema, used), log_level=0)
+                entry = (start, start.deep_copy(), b"")
+            start, matcher, fed = entry
+            if not written.startswith(fed):  # another item, or the same one rolled back: from the start again
+                matcher, fed = start.deep_copy(), b""
             if written != fed and not matcher.is_error():
                 matcher.consume_tokens(self.tokenizer.tokenize_bytes(written[len(fed):]))
-            self._token_matchers[key] = (matcher, written)
+            self._token_matchers[key] = (start, matcher, written)
             while len(self._token_matchers) > MAX_GRAMMARS:
                 self._token_matchers.popitem(last=False)
             if matcher.is_error():
