@@ -1,0 +1,103 @@
+"""LoRA adapters as PEFT saves them (`core.lora`): read and checked against the model, their effect proven
+against peft's own merge of the same adapter into the weights, and every malformed adapter refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGETS, AdapterError, read_adapter
+from tests.tiny_models import build, model_config
+
+pytestmark = pytest.mark.slow
+MAX_RANK = 16
+
+
+def save_adapter(family: str, directory, rank: int = 4, alpha: float = 8, targets=tuple(TARGETS), seed: int = 0,
+                 **extra):
+    """A random non-zero PEFT LoRA adapter on the tiny ``family`` model, saved to ``directory``; the peft model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base = build(family, seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **extra)
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(base, config)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("rslora", [False, True])
+def test_an_adapter_adds_what_peft_merges_into_each_projection(tmp_path, family, rslora):
+    """W + scale * B @ A, read from the saved adapter, equals every weight peft's merge_and_unload makes (its
+    scaling: alpha / r, or alpha / sqrt(r) with rsLoRA). A KV-shared layer computes no keys or values (nor does
+    transformers', which gives it no k/v projections to adapt): pairs an adapter carries there anyway are read,
+    checked and listed as without effect."""
+    model = save_adapter(family, tmp_path, rank=4, alpha=12, use_rslora=rslora)
+    base = {k: v.detach().numpy().copy() for k, v in build(family).state_dict().items()}
+    merged = {k: v.detach().numpy() for k, v in model.merge_and_unload().state_dict().items()}
+    cfg = model_config(family)
+    shared = [layer.index for layer in cfg.layers if not layer.owns_cache]
+    extra = [f"base_model.model.model.layers.{i}.self_attn.k_proj.lora_{half}.weight" for i in shared for half in "AB"]
+    def kv_out(name: str) -> int:
+        layer = cfg.layers[int(name.split(".layers.")[1].split(".")[0])]
+        return layer.num_kv_heads * layer.head_dim
+
+    _rewrite_weights(tmp_path, lambda t: t.update({
+        name: np.ones((4, cfg.hidden_size) if name.endswith("lora_A.weight") else (kv_out(name), 4), np.float32)
+        for name in extra}))
+    adapter = read_adapter(tmp_path, cfg, MAX_RANK)
+    assert adapter.rank == 4 and math.isclose(adapter.scale, 12 / (2.0 if rslora else 4.0))
+    assert sorted(adapter.ignored) == sorted(extra) and bool(shared) == (family == "gemma4")
+    for (layer, target), (a, b) in adapter.pairs.items():
+        name = f"model.layers.{layer}.{TARGETS[target]}.{target}.weight"
+        np.testing.assert_allclose(base[name] + adapter.scale * (b @ a), merged[name], rtol=1e-5, atol=1e-6)
+    owned = {(layer.index, t) for layer in cfg.layers for t in TARGETS
+             if layer.owns_cache or t not in ("k_proj", "v_proj")}
+    owned -= {(layer.index, "v_proj") for layer in cfg.layers if layer.k_eq_v}
+    assert set(adapter.pairs) == owned
+
+
+def _rewrite_config(directory, **changes) -> None:
+    path = directory / ADAPTER_CONFIG
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _rewrite_weights(directory, change) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / ADAPTER_WEIGHTS)
+    change(tensors)
+    save_file(tensors, directory / ADAPTER_WEIGHTS)
+
+
+@pytest.mark.parametrize(("damage", "named"), [
+    (lambda d: _rewrite_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
+    (lambda d: _rewrite_config(d, use_dora=True), "DoRA"),
+    (lambda d: _rewrite_config(d, peft_type="PREFIX_TUNING"), "peft_type"),
+    (lambda d: _rewrite_config(d, r=32), "rank 32 is over"),
+    (lambda d: _rewrite_config(d, rank_pattern={"q_proj": 8}), "per-module ranks"),
+    (lambda d: _rewrite_config(d, target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
+    (lambda d: _rewrite_config(d, r=2), "needs"),  # the tensors are rank 4
+    (lambda d: (d / ADAPTER_CONFIG).write_text("{not json"), "unreadable"),
+    (lambda d: (d / ADAPTER_CONFIG).unlink(), "no adapter_config.json"),
+    (lambda d: _rewrite_weights(d, lambda t: t.pop(next(k for k in sorted(t) if "lora_B" in k))), "no lora_B"),
+    (lambda d: _rewrite_weights(d, lambda t: t.update({k: np.full_like(v, np.nan) for k, v in list(t.items())[:1]})),
+     "NaN"),
+    (lambda d: (d / ADAPTER_WEIGHTS).write_bytes((d / ADAPTER_WEIGHTS).read_bytes()[:-100]), "adapter_model"),
+])  # fmt: skip
+def test_a_malformed_adapter_is_refused_naming_the_problem(tmp_path, damage, named):
+    save_adapter("gemma3", tmp_path)
+    damage(tmp_path)
+    with pytest.raises(AdapterError, match=named):
+        read_adapter(tmp_path, model_config("gemma3"), MAX_RANK)
+
+
+def test_an_adapter_for_another_model_is_refused_by_its_shapes(tmp_path):
+    save_adapter("gemma3", tmp_path)
+    with pytest.raises(AdapterError, match="this model needs|does not have"):
+        read_adapter(tmp_path, model_config("gemma4"), MAX_RANK)
