@@ -22,6 +22,20 @@ def read_json_dict(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def load_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object stored at ``path``, strictly: FileNotFoundError when it is missing, ValueError saying
+    why when it is unreadable or not an object (for files a user supplies, where a silent {} would mislead)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not readable JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> bool:
     """Replace ``path`` with ``data`` through a temporary file; False (and a log line) when it cannot be
     written, e.g. a read-only cache."""

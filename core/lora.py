@@ -16,16 +16,15 @@ the text model is the one served.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from core.config import ModelConfig, expected_tensor_shapes
+from core.json_file import load_json_object
 from core.loaders.errors import CheckpointError
 from core.loaders.safetensors_header import TensorEntry, read_header
 from core.loaders.safetensors_source import FLOAT_DTYPES
@@ -113,13 +112,11 @@ def read_adapter(directory: Path, cfg: ModelConfig, max_rank: int) -> LoraAdapte
 def read_settings(path: Path, max_rank: int) -> AdapterSettings:
     """The rank and scaling of an adapter_config.json, refusing what serving does not support."""
     try:
-        raw: Any = json.loads(path.read_text())
+        raw = load_json_object(path)
     except FileNotFoundError:
         raise AdapterError(f"{path.parent}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{path}: unreadable: {e}") from None
-    if not isinstance(raw, dict):
-        raise AdapterError(f"{path}: not a JSON object")
+    except ValueError as e:
+        raise AdapterError(f"{path}: {e}") from None
     if str(raw.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"{path}: peft_type {raw.get('peft_type')!r} is not LORA")
     for key, what in (("modules_to_save", "whole-module copies"), ("rank_pattern", "per-module ranks"),

@@ -83,7 +83,7 @@ def _rewrite_weights(directory, change) -> None:
     (lambda d: _rewrite_config(d, rank_pattern={"q_proj": 8}), "per-module ranks"),
     (lambda d: _rewrite_config(d, target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
     (lambda d: _rewrite_config(d, r=2), "needs"),  # the tensors are rank 4
-    (lambda d: (d / ADAPTER_CONFIG).write_text("{not json"), "unreadable"),
+    (lambda d: (d / ADAPTER_CONFIG).write_text("{not json"), "not readable JSON"),
     (lambda d: (d / ADAPTER_CONFIG).unlink(), "no adapter_config.json"),
     (lambda d: _rewrite_weights(d, lambda t: t.pop(next(k for k in sorted(t) if "lora_B" in k))), "no lora_B"),
     (lambda d: _rewrite_weights(d, lambda t: t.update({k: np.full_like(v, np.nan) for k, v in list(t.items())[:1]})),

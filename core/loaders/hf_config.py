@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from core.json_file import load_json_object
 
 from .errors import CheckpointError
 
@@ -22,13 +23,11 @@ TOP_LEVEL_TEXT_KEYS = (
 def read_text_config(config_file: Path) -> dict:
     """The text config: the nested `text_config` (plus top-level-only text keys) if there is one, else all."""
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = load_json_object(config_file)
     except FileNotFoundError:
         raise CheckpointError(f"{config_file}: config.json is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{config_file}: not a readable JSON config ({exc})") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    except ValueError as exc:
+        raise CheckpointError(f"{config_file}: {exc}") from exc
     text = config.get("text_config")
     if text is None:
         return config
