@@ -170,3 +170,43 @@ def _check_half(array: np.ndarray, half: str, weight_shape: tuple[int, ...], ran
                            f"(rank {rank})")
     if not np.isfinite(array).all():
         raise AdapterError(f"{directory}: {name!r} holds a NaN or an infinity")
+
+
+# ---- batched application: every row its own adapter slot, static shapes ----------------------------------------
+#
+# The adapters of S slots, each padded to the maximum rank R, are stacked per projection into one `down`
+# [S*R, in] (the A matrices) and one `up` [S*R, out] (the B matrices, scale folded in). A row's slot picks its
+# R columns of x @ down^T through a 0/1 mask; rows with no adapter have an all-zero mask. One matmul pair serves a
+# batch of mixed adapters, in plain XLA (the S-LoRA / Punica shape without a custom kernel).
+
+
+def pack_slots(adapters: list[LoraAdapter | None], layer: int, target: str, in_dim: int, out_dim: int,
+               max_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(down [S*R, in], up [S*R, out]) float32 for projection ``target`` of ``layer``: slot s holds adapter s's
+    pair (scale folded into up), zero-padded to ``max_rank``; a slot with no adapter, or whose adapter leaves
+    this projection alone, is zeros."""
+    slots = len(adapters)
+    down = np.zeros((slots * max_rank, in_dim), np.float32)
+    up = np.zeros((slots * max_rank, out_dim), np.float32)
+    for s, adapter in enumerate(adapters):
+        pair = None if adapter is None else adapter.pairs.get((layer, target))
+        if pair is None:
+            continue
+        a, b = pair  # [r, in], [out, r]
+        rank = a.shape[0]
+        down[s * max_rank:s * max_rank + rank] = a
+        up[s * max_rank:s * max_rank + rank] = (adapter.scale * b).T
+    return down, up
+
+
+def slot_mask(slots_of_rows: np.ndarray, slots: int, max_rank: int) -> np.ndarray:
+    """[B, S*R] float32: 1 over the R columns of each row's slot (``slots_of_rows`` [B] int, -1: no adapter)."""
+    columns = np.arange(slots * max_rank) // max_rank
+    return (columns[None, :] == np.asarray(slots_of_rows)[:, None]).astype(np.float32)
+
+
+def lora_delta(x, down, up, mask):
+    """What the rows' adapters add to a projection of x [B, T, in]: ((x @ down^T) * mask) @ up -> [B, T, out],
+    with down [K, in], up [K, out], mask [B, K] (works on numpy and JAX arrays alike)."""
+    low = (x @ down.T) * mask[:, None, :]
+    return low @ up

@@ -101,3 +101,29 @@ def test_an_adapter_for_another_model_is_refused_by_its_shapes(tmp_path):
     save_adapter("gemma3", tmp_path)
     with pytest.raises(AdapterError, match="this model needs|does not have"):
         read_adapter(tmp_path, model_config("gemma4"), MAX_RANK)
+
+
+def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
+    """Rows of three adapters of different ranks and a row with none, through one stacked matmul pair: each row
+    gets exactly scale * x @ A^T @ B^T of its own adapter (its slot's padding and the other slots add nothing)."""
+    from core.lora import lora_delta, pack_slots, slot_mask
+
+    cfg = model_config("gemma3")
+    adapters = []
+    for i, rank in enumerate((2, 4, 3)):
+        save_adapter("gemma3", tmp_path / str(i), rank=rank, alpha=5 + i, seed=i)
+        adapters.append(read_adapter(tmp_path / str(i), cfg, MAX_RANK))
+    slots = [adapters[0], None, adapters[1], adapters[2]]  # slot 1 empty
+    h = cfg.hidden_size
+    out = cfg.layers[0].mlp_dim
+    down, up = pack_slots(slots, 0, "gate_proj", h, out, max_rank=8)
+    rows = np.array([2, -1, 0, 3, 2])  # slots of five rows; one with no adapter
+    x = np.random.default_rng(0).standard_normal((len(rows), 3, h)).astype(np.float32)
+    got = lora_delta(x, down, up, slot_mask(rows, len(slots), 8))
+    for row, slot in enumerate(rows):
+        if slot < 0:
+            np.testing.assert_array_equal(got[row], 0)
+            continue
+        adapter = slots[slot]
+        a, b = adapter.pairs[0, "gate_proj"]
+        np.testing.assert_allclose(got[row], adapter.scale * x[row] @ a.T @ b.T, rtol=1e-5, atol=1e-5)
