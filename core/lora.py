@@ -20,6 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -177,7 +178,8 @@ def _check_half(array: np.ndarray, half: str, weight_shape: tuple[int, ...], ran
 # The adapters of S slots, each padded to the maximum rank R, are stacked per projection into one `down`
 # [S*R, in] (the A matrices) and one `up` [S*R, out] (the B matrices, scale folded in). A row's slot picks its
 # R columns of x @ down^T through a 0/1 mask; rows with no adapter have an all-zero mask. One matmul pair serves a
-# batch of mixed adapters, in plain XLA (the S-LoRA / Punica shape without a custom kernel).
+# batch of mixed adapters, in plain XLA (the S-LoRA / Punica shape without a custom kernel): `core.model.
+# lora_delta`, applied to every projection that has slots in the layer's "lora" params (`attach_slots`).
 
 
 def pack_slots(adapters: list[LoraAdapter | None], layer: int, target: str, in_dim: int, out_dim: int,
@@ -205,8 +207,22 @@ def slot_mask(slots_of_rows: np.ndarray, slots: int, max_rank: int) -> np.ndarra
     return (columns[None, :] == np.asarray(slots_of_rows)[:, None]).astype(np.float32)
 
 
-def lora_delta(x, down, up, mask):
-    """What the rows' adapters add to a projection of x [B, T, in]: ((x @ down^T) * mask) @ up -> [B, T, out],
-    with down [K, in], up [K, out], mask [B, K] (works on numpy and JAX arrays alike)."""
-    low = (x @ down.T) * mask[:, None, :]
-    return low @ up
+def attach_slots(params: dict[str, Any], adapters: list[LoraAdapter | None], cfg: ModelConfig,
+                 max_rank: int) -> dict[str, Any]:
+    """A copy of ``params`` whose layers carry "lora": {target: (down, up)} slots (`pack_slots`) for every
+    projection some adapter adapts, in the compute dtype."""
+    import jax.numpy as jnp
+
+    shapes, _ = expected_tensor_shapes(cfg)
+    dtype = params["final_norm"].dtype
+    adapted = {key for adapter in adapters if adapter is not None for key in adapter.pairs}
+    layers = []
+    for layer, lp in zip(cfg.layers, params["layers"], strict=True):
+        slots = {}
+        for target, module in TARGETS.items():
+            if (layer.index, target) in adapted:
+                out_dim, in_dim = shapes[f"layers.{layer.index}.{module}.{target}.weight"]
+                down, up = pack_slots(adapters, layer.index, target, in_dim, out_dim, max_rank)
+                slots[target] = (jnp.asarray(down, dtype), jnp.asarray(up, dtype))
+        layers.append({**lp, "lora": slots} if slots else lp)
+    return {**params, "layers": layers}

@@ -284,24 +284,42 @@ def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Ar
     return {name: arr[slot, index] for name, arr in entry.items()}, key_pos
 
 
-def project_qkv(x: jax.Array, lp: dict[str, Any], layer: Any, num_heads: int
+def lora_delta(x, down, up, mask):
+    """What each row's LoRA adapter adds to a projection of x [B, T, in]: ((x @ down^T) * mask) @ up ->
+    [B, T, out], with the slots' A matrices stacked in down [S*R, in], their scaled B matrices in up [S*R, out]
+    and mask [B, S*R] selecting each row's slot (`core.lora.pack_slots`, `slot_mask`). Numpy or JAX arrays."""
+    low = (x @ down.T) * mask[:, None, :]
+    return low @ up
+
+
+def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: Chunk | None) -> jax.Array:
+    """y, the projection ``target`` of x, plus the rows' LoRA terms where the layer has slots for it."""
+    if chunk is None or chunk.adapters is None or target not in lp.get("lora", {}):
+        return y
+    down, up = lp["lora"][target]
+    return y + lora_delta(x.astype(down.dtype), down, up, chunk.adapters).astype(y.dtype)
+
+
+def project_qkv(x: jax.Array, lp: dict[str, Any], layer: Any, num_heads: int, chunk: Chunk | None = None
                 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """q [B, T, nh, d] and, for a layer that owns its cache, raw k and v [B, T, kh, d] (v is k where the
-    layer shares them); from one fused "qkv_proj" matmul when present (core.weights.fuse_projections)."""
+    layer shares them); from one fused "qkv_proj" matmul when present (core.weights.fuse_projections); with
+    the rows' LoRA terms when ``chunk`` carries adapters."""
     b, t = x.shape[:2]
     q_out, kv_out = num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
     kv_shape = (b, t, layer.num_kv_heads, layer.head_dim)
     if "qkv_proj" in lp:
         qkv = linear(x, lp["qkv_proj"])
-        q = qkv[..., :q_out]
-        k = qkv[..., q_out:q_out + kv_out].reshape(kv_shape)
-        v = k if layer.k_eq_v else qkv[..., q_out + kv_out:q_out + 2 * kv_out].reshape(kv_shape)
+        q = adapted(qkv[..., :q_out], x, lp, "q_proj", chunk)
+        k = adapted(qkv[..., q_out:q_out + kv_out], x, lp, "k_proj", chunk).reshape(kv_shape)
+        v = k if layer.k_eq_v else adapted(qkv[..., q_out + kv_out:q_out + 2 * kv_out], x, lp, "v_proj",
+                                           chunk).reshape(kv_shape)
     else:
-        q = linear(x, lp["q_proj"])
+        q = adapted(linear(x, lp["q_proj"]), x, lp, "q_proj", chunk)
         k = v = None
         if layer.owns_cache:
-            k = linear(x, lp["k_proj"]).reshape(kv_shape)
-            v = k if layer.k_eq_v else linear(x, lp["v_proj"]).reshape(kv_shape)
+            k = adapted(linear(x, lp["k_proj"]), x, lp, "k_proj", chunk).reshape(kv_shape)
+            v = k if layer.k_eq_v else adapted(linear(x, lp["v_proj"]), x, lp, "v_proj", chunk).reshape(kv_shape)
     return q.reshape(b, t, num_heads, layer.head_dim), k, v
 
 
@@ -337,6 +355,7 @@ def hidden_states(
     cfg: ModelConfig,
     attend: int | None = None,
     view_width: int = 1,
+    adapter_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T tokens per row through the embedding, every decoder layer and the final norm: (h [B, T, H], cache).
 
@@ -351,7 +370,8 @@ def hidden_states(
 
     New K/V are scattered into the donated cache before any layer reads it, so XLA updates it in place (a
     read before a later scatter makes it copy the whole cache), and every query reads its keys back from the
-    cache in the cache's own dtype, as decode does.
+    cache in the cache's own dtype, as decode does. adapter_mask [B, S*R]: each row's LoRA slot (`lora_delta`;
+    the slots are the layers' "lora" params).
     """
     t = tokens.shape[1]
     dtype = params["final_norm"].dtype  # the compute dtype
@@ -364,7 +384,7 @@ def hidden_states(
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
     chunk = Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
-                  attend=attend, view_width=view_width)
+                  attend=attend, view_width=view_width, adapters=adapter_mask)
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         h, cache = decoder_layer(h, cache, lp, layer, cfg, chunk, ropes[(layer.kind, layer.head_dim)],
                                  None if ple is None else ple[:, :, layer.index, :])
@@ -425,11 +445,12 @@ def sequence_logits(
     cfg: ModelConfig,
     attend: int | None = None,
     view_width: int = 1,
+    adapter_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Logits at every position of a chunk (scoring a whole sequence, teacher forcing): tokens [B, T] int32
     and the rest as in `hidden_states` -> (logits [B, T, V] float32, cache)."""
     h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                             view_width=view_width)
+                             view_width=view_width, adapter_mask=adapter_mask)
     return lm_head(params, cfg, h), cache
 
 
@@ -466,6 +487,7 @@ class Chunk:
     slots: jax.Array | None
     attend: int | None
     view_width: int
+    adapters: jax.Array | None = None  # [B, S*R] each row's LoRA slot columns (`lora_delta`), or None
 
 
 def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig, chunk: Chunk,
@@ -475,7 +497,7 @@ def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, 
     eps, t = cfg.rms_norm_eps, h.shape[1]
     cos, sin = rope
     x = rms_norm(h, lp["input_layernorm"], eps)
-    q_raw, k_raw, v = project_qkv(x, lp, layer, cfg.num_heads)
+    q_raw, k_raw, v = project_qkv(x, lp, layer, cfg.num_heads, chunk)
     if layer.owns_cache:
         # Query and key heads are normed and rotated as one array: the key heads alone are few rows, and
         # XLA's CPU reduction then rounds differently by row count (decode vs verify chunks would differ).
@@ -496,14 +518,17 @@ def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, 
     attn = attention(q, keys, key_pos, chunk.positions, chunk.held,
                      window=cfg.sliding_window if layer.is_sliding else None, scale=cfg.query_scale,
                      softcap=cfg.attn_logit_softcap, value_block=block)
-    h = h + rms_norm(linear(attn, lp["o_proj"]), lp["post_attention_layernorm"], eps)
+    h = h + rms_norm(adapted(linear(attn, lp["o_proj"]), attn, lp, "o_proj", chunk),
+                     lp["post_attention_layernorm"], eps)
 
     x = rms_norm(h, lp["pre_feedforward_layernorm"], eps)
     if "gate_up_proj" in lp:  # fused (core.weights.fuse_projections)
         gate, up = jnp.split(linear(x, lp["gate_up_proj"]), 2, axis=-1)
     else:
         gate, up = linear(x, lp["gate_proj"]), linear(x, lp["up_proj"])
-    mlp = linear(jax.nn.gelu(gate, approximate=True) * up, lp["down_proj"])
+    gate, up = adapted(gate, x, lp, "gate_proj", chunk), adapted(up, x, lp, "up_proj", chunk)
+    act = jax.nn.gelu(gate, approximate=True) * up
+    mlp = adapted(linear(act, lp["down_proj"]), act, lp, "down_proj", chunk)
     h = h + rms_norm(mlp, lp["post_feedforward_layernorm"], eps)
 
     if ple is not None:

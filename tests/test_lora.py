@@ -18,11 +18,12 @@ MAX_RANK = 16
 
 def save_adapter(family: str, directory, rank: int = 4, alpha: float = 8, targets=tuple(TARGETS), seed: int = 0,
                  **extra):
-    """A random non-zero PEFT LoRA adapter on the tiny ``family`` model, saved to ``directory``; the peft model."""
+    """A random non-zero PEFT LoRA adapter (``seed``) on the tiny ``family`` model (that of `tiny_checkpoints`),
+    saved to ``directory``; the peft model."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    base = build(family, seed)
+    base = build(family)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **extra)
     torch.manual_seed(seed + 1)
     model = get_peft_model(base, config)
@@ -106,7 +107,8 @@ def test_an_adapter_for_another_model_is_refused_by_its_shapes(tmp_path):
 def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
     """Rows of three adapters of different ranks and a row with none, through one stacked matmul pair: each row
     gets exactly scale * x @ A^T @ B^T of its own adapter (its slot's padding and the other slots add nothing)."""
-    from core.lora import lora_delta, pack_slots, slot_mask
+    from core.lora import pack_slots, slot_mask
+    from core.model import lora_delta
 
     cfg = model_config("gemma3")
     adapters = []
@@ -127,3 +129,49 @@ def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
         adapter = slots[slot]
         a, b = adapter.pairs[0, "gate_proj"]
         np.testing.assert_allclose(got[row], adapter.scale * x[row] @ a.T @ b.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_the_model_with_adapters_matches_transformers_with_peft_row_by_row(tmp_path, tiny_checkpoints, family):
+    """One batch, three rows: adapter 1, no adapter, adapter 2. Each adapted row's logits equal transformers +
+    peft on that adapter (peft's float64 merge as the reference, the model-parity tolerance, and peft's own
+    float32 forward agreeing with it); the row with none is bit-identical to
+    the model without any adapter slots."""
+    import copy
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from test_model_parity import full_logits, load_ours
+
+    from core.kv_cache import CacheSpec, init_cache
+    from core.lora import attach_slots, slot_mask
+    from core.model import sequence_logits
+
+    directory, _ = tiny_checkpoints[family]
+    cfg, params = load_ours(directory)
+    peft_models, adapters = [], []
+    for i, rank in enumerate((4, 2)):
+        peft_models.append(save_adapter(family, tmp_path / str(i), rank=rank, alpha=6 + i, seed=10 * i))
+        adapters.append(read_adapter(tmp_path / str(i), cfg, MAX_RANK))
+    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, size=(3, 21))
+    rows = np.array([0, -1, 1])
+    slotted = attach_slots(params, adapters, cfg, max_rank=8)
+    cache = init_cache(cfg, CacheSpec(num_slots=3, max_len=ids.shape[1]))
+    fn = jax.jit(lambda p, c, t, m: sequence_logits(p, c, t, jnp.zeros(3, jnp.int32), jnp.full(3, ids.shape[1],
+                                                    jnp.int32), jnp.arange(3, dtype=jnp.int32), cfg=cfg,
+                                                    adapter_mask=m))
+    got, _ = fn(slotted, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(slot_mask(rows, 2, 8)))
+    got = np.asarray(got)
+    for row, slot in enumerate(rows):
+        if slot < 0:
+            np.testing.assert_array_equal(got[row], full_logits(cfg, params, ids)[row])
+            continue
+        with torch.no_grad():
+            model = peft_models[slot]
+            expected = model(torch.tensor(ids[row:row + 1])).logits.numpy()[0]
+            # float64 through peft's own merge (a float64 copy of the unmerged peft model drops the adapters)
+            exact = copy.deepcopy(model).merge_and_unload().double()(torch.tensor(ids[row:row + 1])).logits.numpy()[0]
+        noise = float(np.abs(expected - exact).max())
+        assert noise < 1e-3  # peft's float32 forward with the adapters unmerged is the same function
+        np.testing.assert_allclose(got[row], exact, atol=max(1e-4, 8 * noise), rtol=0)
