@@ -60,7 +60,6 @@ class QuoteTokens:
     # SCALAR_BYTES, JSON whitespace and `}`
     scalar_tokens: np.ndarray
     quoted_scalar_ends: np.ndarray  # ids holding a quote and then `,` or `]` (ending a string, then an item)
-    quote_bits: np.ndarray  # bitmask words [ceil(V/32)] of `ids`
     token_bytes: Callable[[int], bytes] = field(compare=False)
     by_bytes: dict[bytes, list[int]] = field(default_factory=dict, compare=False)  # every token id by its bytes
 
@@ -116,7 +115,7 @@ def quote_tokens(tokenizer) -> QuoteTokens:
     return QuoteTokens(np.array([i for i, _ in found], np.int64), enclosing, closes_with,
                        _bits(outside, len(pieces)),
                        _bits(inside, len(pieces)), np.array(scalars, np.int64), np.array(quoted_ends, np.int64),
-                       _bits([i for i, _ in found], len(pieces)), tokenizer.token_bytes, by_bytes)
+                       tokenizer.token_bytes, by_bytes)
 
 
 def _closing_text(piece: bytes) -> str | None:

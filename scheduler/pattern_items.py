@@ -6,8 +6,9 @@ The language of such an item is the grammar engine's (its reading of the regex, 
 values the array already holds, the item's string schema is compiled with one more pattern, every string but
 those values (an `allOf`, which llguidance intersects), and an item's bytes so far are dead exactly when that
 grammar refuses them. Each such grammar is built twice: over single bytes, for a prefix the host's lexer asks
-about (`PatternItems.dead`), and over the model's tokenizer, whose mask where the item stands tells every
-token at once (`PatternItems.mask`, used by `scheduler.json_keys` inside the item).
+about (`PatternItems.dead`), and over the model's tokenizer, whose mask where the item stands keeps, in one
+call, the tokens that certainly leave a new value reachable (`PatternItems.mask`; `scheduler.json_keys` checks
+only the others against the byte grammar).
 
 Values longer than `MAX_EXCLUDED_CHARS` are not written into the excluding pattern (its nesting grows with
 their length): the closing quote on one is still removed (the tracker compares every closing exactly), only

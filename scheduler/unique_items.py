@@ -60,10 +60,11 @@ def liftable(root: dict[str, Any], node: dict[str, Any]) -> bool:
     refuses is refused by the grammar itself)."""
     if node.get("uniqueItems") is not True or any(k in node for k in _ARRAY_TUPLES):
         return False
-    return item_space(node.get("items"), resolve=lambda sub: _resolve(root, sub), patterns=_followed) is not None
+    space = item_space(node.get("items"), resolve=lambda sub: _resolve(root, sub), patterns=_assumed_followed)
+    return space is not None
 
 
-def _followed(node: dict[str, Any]) -> None:
+def _assumed_followed(node: dict[str, Any]) -> None:
     """A pattern-items stand-in for `liftable`: whether an item space exists, not what it is."""
     return None
 
@@ -91,7 +92,7 @@ def document_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav |
         schema = spec.answer_schema
     else:
         return None
-    root, strict = _followed(schema)
+    root, strict = _grammar_view(schema)
     return SchemaNav(root, patterns, strict)
 
 
@@ -102,14 +103,14 @@ def call_nav(spec: ConstraintSpec, patterns: PatternLanguage) -> SchemaNav | Non
         return None
     branches, strict = [], True
     for fn in spec.functions:
-        root, fn_strict = _followed(fn["parameters"])
+        root, fn_strict = _grammar_view(fn["parameters"])
         strict = strict and fn_strict
         branches.append({"type": "object", "additionalProperties": False,
                          "properties": {"name": {"const": fn["name"]}, "arguments": root}})
     return SchemaNav({"anyOf": branches}, patterns, strict)
 
 
-def _followed(schema: Any) -> tuple[dict[str, Any], bool]:
+def _grammar_view(schema: Any) -> tuple[dict[str, Any], bool]:
     """(a copy of ``schema`` as the grammar has it: rewritten, objects closed by the strict narrowing, but with the
     `uniqueItems` the grammar leaves out kept; whether the schema takes the strict narrowing)."""
     if not isinstance(schema, dict):
