@@ -27,14 +27,26 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation, localcontext
 from fractions import Fraction
 from functools import reduce
-from typing import Any
+from typing import Any, Protocol
 
+from scheduler.grammar_scalars import GrammarScalars
 from scheduler.pattern_items import PatternItems
 from scheduler.strict_schema import FRACTION_DIGITS, MAX_INTEGER
 
-# A string item schema with a `pattern` or `format` -> its string part (None: plain strings after all, such as
-# an unasserted format); raises ValueError where the grammar engine refuses it (`scheduler.pattern_items`).
-Patterns = Callable[[dict[str, Any]], Any]
+
+class ItemOracle(Protocol):
+    """Parts of item spaces asked of the grammar engine (`scheduler.pattern_items.PatternLanguage`); each
+    raises ValueError where the engine refuses the item schema."""
+
+    def strings(self, node: dict[str, Any], strict: bool) -> Any:
+        """A pattern's or format's strings (None: plain strings after all, such as an unasserted format)."""
+
+    def composed_strings(self, node: dict[str, Any], strict: bool) -> Any:
+        """The strings of a composed schema."""
+
+    def scalars(self, node: dict[str, Any], strict: bool) -> Any:
+        """Numbers (and literals) whose language the counts here do not follow."""
+
 _PATTERNED = ("pattern", "format")
 Value = str | Decimal | bytes  # a string's text, a number's value, a literal's spelling (b"true", b"null")
 LITERALS = {"boolean": (b"true", b"false"), "null": (b"null",)}
@@ -134,6 +146,16 @@ class NumberItems:
             total, held = total + count, held + in_part
         return total, held
 
+    def dead(self, prefix: bytes, used: Collection[Value]) -> bool | None:
+        """Whether every value ``prefix`` reaches is used; None where it reaches none (but for a bare `-`: 0 is
+        still written `0`, so no negative value left is dead)."""
+        if not _NUMBER_PREFIX.fullmatch(prefix.decode("latin-1").lower()):
+            return None
+        count, held = self.reach(prefix, used)
+        if count == 0:
+            return True if prefix == b"-" else None
+        return count <= held
+
     def exhausted(self, used: Collection[Value]) -> bool:
         if self.values is not None:
             count, held = self.reach(b"", used)
@@ -192,7 +214,7 @@ class ItemSpace:
     schema, or of several unique schemas at one position); a kind with no part is one the items can not be."""
 
     strings: tuple[StringItems | PatternItems, ...] = ()
-    numbers: tuple[NumberItems, ...] = ()
+    numbers: tuple[NumberItems | GrammarScalars, ...] = ()  # the latter may hold literals too
     literals: frozenset[bytes] = frozenset()
 
     @property
@@ -214,16 +236,14 @@ class ItemSpace:
         return bool(self.strings) and all(part.dead(written, used) for part in self.strings)
 
     def scalar_dead(self, prefix: bytes, used: Collection[Value]) -> bool:
-        """A number or literal item whose bytes so far can only become used values. Bytes that reach none are
-        the grammar's to refuse (False), but for a bare `-` with no negative value left: 0 is still written `0`."""
-        if prefix[:1] in (b"t", b"f", b"n"):
-            reached = [lit for lit in self.literals if lit.startswith(prefix)]
-            return bool(reached) and all(lit in used for lit in reached)
-        if not self.numbers:
-            return False
-        # Every part's values are used exactly when the counts add up (each part holds at most its count).
-        count, held = map(sum, zip(*(part.reach(prefix, used) for part in self.numbers), strict=True))
-        return count <= held and (count > 0 or prefix == b"-")
+        """A number or literal item whose bytes so far can only become used values: every part that reaches
+        some value from them reaches only used ones. Bytes that reach none are the grammar's to refuse (False),
+        but for a bare `-` with no negative value left: 0 is still written `0`."""
+        reached = [lit for lit in self.literals if lit.startswith(prefix)]
+        answers = [all(lit in used for lit in reached) if reached else None]
+        answers += [part.dead(prefix, used) for part in self.numbers]
+        known = [answer for answer in answers if answer is not None]
+        return bool(known) and all(known)
 
     def exhausted(self, used: Collection[Value]) -> bool:
         parts = (*self.strings, *self.numbers)
@@ -235,22 +255,23 @@ class ItemSpace:
 
 
 def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = lambda node: node,
-               depth: int = 0, patterns: Patterns | None = None) -> ItemSpace | None:
+               depth: int = 0, oracle: ItemOracle | None = None) -> ItemSpace | None:
     """The item space of a unique array's item schema (``resolve`` follows a `$ref`), or None when it is not one
-    this module can follow exactly: objects or arrays, ``multipleOf`` that is not a positive whole number on a
-    number, schemas composed other than by `anyOf` / `oneOf` of such items alone (their items are any branch's:
-    the union), strings under a `pattern` or `format` unless ``patterns`` follows them
-    (`scheduler.pattern_items`)."""
+    this module can follow exactly: objects or arrays, schemas composed other than by `anyOf` / `oneOf` of such
+    items alone (their items are any branch's: the union) or by an `allOf` of scalars of one kind (strings, or
+    numbers and literals), `not`, `if`. Strings under a `pattern` or `format`, numbers on a fractional
+    `multipleOf` and `allOf` items are followed only where ``oracle`` asks the grammar engine."""
     items = resolve(items)
-    if depth > MAX_BRANCH_DEPTH or not isinstance(items, dict) or any(k in items for k in ("allOf", "not", "if",
-                                                                                             "$ref")):
+    if depth > MAX_BRANCH_DEPTH or not isinstance(items, dict) or any(k in items for k in ("not", "if", "$ref")):
         return None
+    if "allOf" in items:
+        return _composed(items, strict, resolve, oracle)
     for key in ("anyOf", "oneOf"):
         if key in items:
             branches = items[key]
             if set(items) - {key} - _ANNOTATIONS or not isinstance(branches, list) or not branches:
                 return None
-            spaces = [item_space(branch, strict, resolve, depth + 1, patterns) for branch in branches]
+            spaces = [item_space(branch, strict, resolve, depth + 1, oracle) for branch in branches]
             return None if None in spaces else reduce(ItemSpace.union, spaces)  # type: ignore[arg-type]
     kinds = items.get("type")
     kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else None
@@ -263,15 +284,15 @@ def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = 
         return None
     strings: tuple[StringItems | PatternItems, ...] = ()
     if "string" in kinds:
-        part = _string_part(items, patterns)
+        part = _string_part(items, strict, oracle)
         if part is None:
             return None
         strings = (part,)
     elif any(k in items for k in _PATTERNED):
         return None
-    numbers: tuple[NumberItems, ...] = ()
+    numbers: tuple[NumberItems | GrammarScalars, ...] = ()
     if kinds & {"number", "integer"}:
-        number = _number_items(items, integer="number" not in kinds, strict=strict)
+        number = _number_part(items, kinds, strict, oracle)
         if number is None:
             return None
         numbers = (number,)
@@ -279,24 +300,108 @@ def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = 
     return ItemSpace(strings, numbers, literals)
 
 
-def _string_part(items: dict[str, Any], patterns: Patterns | None) -> StringItems | PatternItems | None:
-    """Open strings (with their longest length), or what ``patterns`` makes of a pattern or format (None: not
+def _string_part(items: dict[str, Any], strict: bool,
+                 oracle: ItemOracle | None) -> StringItems | PatternItems | None:
+    """Open strings (with their longest length), or what ``oracle`` makes of a pattern or format (None: not
     followed)."""
     longest = items.get("maxLength")
     plain = StringItems(int(longest) if isinstance(longest, int | float) else None)
     if not any(k in items for k in _PATTERNED):
         return plain
-    if patterns is None:
-        return None
-    try:
-        part = patterns(items)
-    except ValueError:  # the grammar engine refuses the item: its error names the keyword
+    part = _asked(oracle, "strings", items, strict)
+    if part is _REFUSED or part is _NOT_ASKED:
         return None
     return plain if part is None else part
 
 
+def _number_part(items: dict[str, Any], kinds: set[str], strict: bool,
+                 oracle: ItemOracle | None) -> NumberItems | GrammarScalars | None:
+    """The numbers counted on their grid, or (a fractional `multipleOf` on a number) asked of ``oracle``."""
+    number = _number_items(items, integer="number" not in kinds, strict=strict)
+    if number is not None:
+        return number
+    schema = {"type": sorted(kinds & {"number", "integer"}), **{k: items[k] for k in _NUMBER_KEYWORDS if k in items}}
+    part = _asked(oracle, "scalars", schema, strict)
+    return None if part is _REFUSED or part is _NOT_ASKED else part
+
+
+def _composed(items: dict[str, Any], strict: bool, resolve: Callable[[Any], Any],
+              oracle: ItemOracle | None) -> ItemSpace | None:
+    """An `allOf` item schema whose values are of one kind: strings, or numbers and literals (its `$ref`s inlined
+    for the engine); its language is the engine's."""
+    kinds = _declared_kinds(items, resolve)
+    standalone = _inlined(items, resolve)
+    if kinds is None or standalone is None or not kinds <= SCALAR_KINDS or "string" in kinds and len(kinds) > 1:
+        return None
+    if kinds == {"string"}:
+        part = _asked(oracle, "composed_strings", standalone, strict)
+        return None if part is _REFUSED or part is _NOT_ASKED else ItemSpace(strings=(part,))
+    part = _asked(oracle, "scalars", standalone, strict)
+    return None if part is _REFUSED or part is _NOT_ASKED else ItemSpace(numbers=(part,))
+
+
+_REFUSED, _NOT_ASKED = object(), object()
+
+
+def _asked(oracle: ItemOracle | None, what: str, node: dict[str, Any], strict: bool) -> Any:
+    """``oracle``'s part for ``node`` (`_REFUSED` where the engine refuses it, `_NOT_ASKED` without one)."""
+    if oracle is None:
+        return _NOT_ASKED
+    try:
+        return getattr(oracle, what)(node, strict)
+    except ValueError:  # the grammar engine refuses the item: its error names the keyword
+        return _REFUSED
+
+
+def _declared_kinds(items: dict[str, Any], resolve: Callable[[Any], Any], depth: int = 0) -> set[str] | None:
+    """The JSON types an `allOf` item may be: those every member that declares a `type` admits (None: none
+    declares one, or a member is not followed)."""
+    declared: set[str] | None = None
+    for node in [items, *items.get("allOf", [])] if depth <= MAX_BRANCH_DEPTH else []:
+        node = resolve(node) if node is not items else node
+        if not isinstance(node, dict):
+            return None
+        own = node.get("type")
+        kinds = {own} if isinstance(own, str) else set(own) if isinstance(own, list) else None
+        if kinds is not None and "number" in kinds:
+            kinds.add("integer")
+        if node is not items and "allOf" in node:
+            inner = _declared_kinds(node, resolve, depth + 1)
+            kinds = inner if kinds is None else kinds & inner if inner is not None else kinds
+        if kinds is not None:
+            declared = kinds if declared is None else declared & kinds
+    if declared is not None and "integer" in declared and "number" in declared:
+        return declared - {"integer"}  # integers are numbers
+    return declared
+
+
+def _inlined(node: Any, resolve: Callable[[Any], Any], depth: int = 0) -> Any:
+    """A copy of ``node`` with every `$ref` replaced by what it points to (None: a cycle or a ref that does not
+    resolve)."""
+    if depth > MAX_BRANCH_DEPTH:
+        return None
+    if isinstance(node, list):
+        out = [_inlined(sub, resolve, depth) for sub in node]
+        return None if any(sub is None for sub in out) else out
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = resolve(node)
+        return None if target is None or "$ref" in target else _inlined(target, resolve, depth + 1)
+    out = {}
+    for key, value in node.items():
+        if key in ("$defs", "definitions"):
+            continue
+        inner = _inlined(value, resolve, depth + 1) if isinstance(value, dict | list) else value
+        if inner is None:
+            return None
+        out[key] = inner
+    return out
+
+
 MAX_BRANCH_DEPTH = 8  # nested anyOf / oneOf levels followed (a $ref cycle through them is not)
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated"})
+_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # Keywords beside an enum whose effect on its values is followed here (any other: not lifted).
 _ENUM_FILTERS = frozenset({"enum", "const", "type", "pattern", "minLength", "maxLength", "minimum", "maximum",
                            "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}) | _ANNOTATIONS

@@ -18,6 +18,7 @@ error, never with a repeated item.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -28,11 +29,13 @@ from typing import Any
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
+from scheduler.grammar_scalars import GrammarScalars, UsedScalar, only_used_ahead
 from scheduler.schema_rewrite import all_strings_but
 
 STRING_KEYWORDS = ("pattern", "format", "minLength", "maxLength")
 MAX_EXCLUDED_CHARS = 64  # longer used values stay out of the excluding pattern (see the module docstring)
 MAX_GRAMMARS = 64  # compiled (item, used values) grammars kept per language, least recently used dropped
+MAX_SCALAR_ANSWERS = 4096  # (item, used values, bytes) -> dead answers kept for `GrammarScalars`
 END_BYTE_TOKEN = 256  # the byte tokenizer's one special token
 
 
@@ -90,8 +93,10 @@ def _strings(used: Collection[Any]) -> frozenset[str]:
 
 
 class PatternLanguage:
-    """llguidance's answers about pattern and format items for one model tokenizer. ``prepare`` turns an item's
-    string schema into what the backend's grammar compiles (formats it asserts, strict narrowing)."""
+    """llguidance's answers about unique-array items whose language only it knows, for one model tokenizer:
+    pattern and format strings, composed items, numbers on a fractional grid (`scheduler.grammar_scalars`).
+    ``prepare`` turns an item schema into what the backend's grammar compiles (formats it asserts, strict
+    narrowing)."""
 
     def __init__(self, tokenizer: LLTokenizer, prepare: Callable[[dict[str, Any]], dict[str, Any]],
                  options: dict[str, Any] | None = None) -> None:
@@ -104,22 +109,59 @@ class PatternLanguage:
         # bytes, and those bytes
         self._token_matchers: OrderedDict[tuple[str, frozenset[str]],
                                           tuple[LLMatcher, LLMatcher, bytes]] = OrderedDict()
+        self._scalar_answers: OrderedDict[tuple[str, frozenset[UsedScalar], bytes], bool | None] = OrderedDict()
 
-    def items(self, node: dict[str, Any], strict: bool = True):
+    def strings(self, node: dict[str, Any], strict: bool = True) -> PatternItems | None:
         """The string part of a unique array's items under ``node``: PatternItems where a pattern or an
         asserted format is left, else None (plain strings: `item_space` follows them itself); raises
         ValueError when the grammar engine refuses the item schema."""
         schema: dict[str, Any] = {"type": "string", **{k: node[k] for k in STRING_KEYWORDS if k in node}}
-        if not strict:
-            schema["x-slotserve"] = {"strict": False}
-        prepared = self._prepare(schema)
+        prepared = self._prepared(schema, strict)
         if "pattern" not in prepared and "format" not in prepared:
             return None
+        return PatternItems(self._checked(prepared), self)
+
+    def composed_strings(self, node: dict[str, Any], strict: bool = True) -> PatternItems:
+        """String items under a composed schema (an `allOf`, its `$ref`s inlined): the language is the whole
+        schema's. Raises ValueError when the grammar engine refuses it."""
+        return PatternItems(self._checked(self._prepared(node, strict)), self)
+
+    def scalars(self, node: dict[str, Any], strict: bool = True) -> GrammarScalars:
+        """Number and literal items the item-space counts do not follow (`scheduler.grammar_scalars`). Raises
+        ValueError when the grammar engine refuses the item schema."""
+        return GrammarScalars(self._checked(self._prepared(node, strict)), self)
+
+    def _prepared(self, schema: dict[str, Any], strict: bool) -> dict[str, Any]:
+        schema = copy.deepcopy(schema)
+        if not strict:
+            schema["x-slotserve"] = {"strict": False}
+        return self._prepare(schema)
+
+    def _checked(self, prepared: dict[str, Any]) -> str:
         text = json.dumps(prepared, sort_keys=True)
         with self._lock:
             if self._byte_matcher(text, frozenset()).is_error():
                 raise ValueError(f"item schema refused: {text}")
-        return PatternItems(text, self)
+        return text
+
+    def scalar_dead(self, schema: str, used: frozenset[UsedScalar], written: bytes) -> bool | None:
+        """`GrammarScalars.dead`: None where the grammar refuses ``written``; answers are kept (LRU)."""
+        key = (schema, used, written)
+        with self._lock:
+            if key in self._scalar_answers:
+                self._scalar_answers.move_to_end(key)
+                return self._scalar_answers[key]
+            matcher = self._byte_matcher(schema, frozenset()).deep_copy()
+        if matcher.validate_tokens(list(written)) != len(written):
+            answer = None
+        else:
+            matcher.consume_tokens(list(written))
+            answer = only_used_ahead(matcher, written, used)
+        with self._lock:
+            self._scalar_answers[key] = answer
+            while len(self._scalar_answers) > MAX_SCALAR_ANSWERS:
+                self._scalar_answers.popitem(last=False)
+        return answer
 
     def viable(self, schema: str, used: frozenset[str], written: bytes) -> bool:
         with self._lock:  # a matcher serves one thread at a time
@@ -159,6 +201,6 @@ class PatternLanguage:
 
     def _grammar(self, schema: str, used: frozenset[str]) -> str:
         item = json.loads(schema)
-        if used:
-            item["allOf"] = [{"pattern": f"^{all_strings_but(sorted(used))}$"}]
+        if used:  # beside any allOf the item has (a composed one)
+            item["allOf"] = [*item.get("allOf", []), {"pattern": f"^{all_strings_but(sorted(used))}$"}]
         return LLMatcher.grammar_from_json_schema(json.dumps(item), overrides=self._options)  # type: ignore[arg-type]

@@ -11,10 +11,11 @@ and 1.0 are one number), `true` is not 1.
 The look-ahead is what keeps the grammar from a dead end: a token is removed where the item's remaining values
 are all used (the `5` of an integer up to 5 once 5 is used), not only where it closes the item, and once no new
 item is left the comma of another is removed. Strings under a `pattern` or a `format` are asked of the grammar
-engine (`scheduler.pattern_items`). Item spaces that can not be followed exactly stay for the backend to
-refuse, naming `uniqueItems`: items composed by `allOf`, `not` or `if`, objects and arrays. In a tool call the
-document is `{"name": ..., "arguments": ...}`: `call_nav` follows it as one branch per function, told apart by
-the name (`SchemaNav.discriminators`).
+engine (`scheduler.pattern_items`), and so are numbers on a fractional `multipleOf` and items composed by
+`allOf` (`scheduler.grammar_scalars`). Item spaces that can not be followed exactly stay for the backend to
+refuse, naming `uniqueItems`: items composed by `not` or `if`, an `allOf` mixing strings with other kinds,
+objects and arrays. In a tool call the document is `{"name": ..., "arguments": ...}`: `call_nav` follows it
+as one branch per function, told apart by the name (`SchemaNav.discriminators`).
 Should a repeat still be the only way on (an item spelled with escapes up to its maxLength), the request ends
 with an error rather than a repeated item.
 """
@@ -60,13 +61,22 @@ def liftable(root: dict[str, Any], node: dict[str, Any]) -> bool:
     refuses is refused by the grammar itself)."""
     if node.get("uniqueItems") is not True or any(k in node for k in _ARRAY_TUPLES):
         return False
-    space = item_space(node.get("items"), resolve=lambda sub: _resolve(root, sub), patterns=_assumed_followed)
+    space = item_space(node.get("items"), resolve=lambda sub: _resolve(root, sub), oracle=_AssumedFollowed())
     return space is not None
 
 
-def _assumed_followed(node: dict[str, Any]) -> None:
-    """A pattern-items stand-in for `liftable`: whether an item space exists, not what it is."""
-    return None
+class _AssumedFollowed:
+    """An item-oracle stand-in for `liftable`: whether an item space exists, not what it is (an item schema the
+    engine refuses is refused by the grammar itself)."""
+
+    def strings(self, node: dict[str, Any], strict: bool) -> None:
+        return None  # as if plain strings
+
+    def composed_strings(self, node: dict[str, Any], strict: bool) -> object:
+        return node
+
+    def scalars(self, node: dict[str, Any], strict: bool) -> object:
+        return node
 
 
 def lift(schema: dict[str, Any]) -> dict[str, Any] | None:
@@ -188,7 +198,7 @@ class SchemaNav:
     def item_space(self, nodes: tuple[dict[str, Any], ...]) -> ItemSpace | None:
         """What the items of a unique array under ``nodes`` can be (every unique branch's together)."""
         spaces = [item_space(node.get("items"), self.strict, lambda sub: _resolve(self.root, sub),
-                             patterns=lambda items: self.patterns.items(items, self.strict))
+                             oracle=self.patterns)
                   for node in nodes if node.get("uniqueItems") is True]
         known = [space for space in spaces if space is not None]
         return reduce(ItemSpace.union, known) if known else None

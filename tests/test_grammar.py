@@ -779,7 +779,11 @@ def test_unique_items_on_short_arrays_booleans_and_small_enums_is_enforced(compi
                                    {"type": ["boolean", "null", "integer"], "minimum": 0, "maximum": 3},
                                    {"oneOf": [{"type": "string", "minLength": 1}, {"type": "null"}]},
                                    {"type": "string", "pattern": "^[ab]$"}, {"type": "string", "format": "date"},
-                                   {"type": ["string", "null"], "format": "email", "maxLength": 30}])
+                                   {"type": ["string", "null"], "format": "email", "maxLength": 30},
+                                   {"type": "number", "multipleOf": 0.25, "maximum": 1},
+                                   {"allOf": [{"type": "integer"}, {"minimum": 2}]},
+                                   {"allOf": [{"type": "string"}, {"maxLength": 3}, {"pattern": "^a"}]},
+                                   {"allOf": [{"$ref": "#/$defs/word"}, {"minLength": 2}]}])
 def test_unique_items_over_scalars_compiles_with_the_host_enforcing_it(compiler, items):
     schema = {"type": "array", "items": items, "uniqueItems": True, "$defs": {"word": {"type": "string"}}}
     compiled = compiler.compile(ConstraintSpec.json_schema(schema))
@@ -787,11 +791,11 @@ def test_unique_items_over_scalars_compiles_with_the_host_enforcing_it(compiler,
 
 
 @pytest.mark.parametrize("items", [{"type": "object"}, {"anyOf": [{"type": "integer"}, {"type": "object"}]},
-                                   {"type": "number", "multipleOf": 0.25, "maximum": 1}])
+                                   {"allOf": [{"type": ["string", "integer"]}, {"minimum": 2}]}])
 def test_unique_items_the_host_can_not_follow_exactly_stays_refused(compiler, items):
-    """Composed items, objects, fractional multiples (llguidance's language is not the schema's there): the host
-    can not tell which remaining values are left, so masking a repeat could leave no valid token. Refused, as in
-    a tool's parameters and on the outlines-core backend."""
+    """Objects, and items composed of strings and other kinds at once: the host can not tell which remaining
+    values are left, so masking a repeat could leave no valid token. Refused, as in a tool's parameters and on
+    the outlines-core backend."""
     with pytest.raises(UnsupportedConstraintError, match="uniqueItems"):
         compiler.compile(ConstraintSpec.json_schema({"type": "array", "items": items, "uniqueItems": True}))
     params = {"type": "object", "properties": {"xs": {"type": "array", "items": items, "uniqueItems": True}}}

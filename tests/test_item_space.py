@@ -10,7 +10,7 @@ from decimal import Decimal
 
 import pytest
 
-from scheduler.grammar import ConstraintSpec
+from scheduler.grammar import ConstraintSpec, UnsupportedConstraintError
 from scheduler.item_space import item_space, literal_value, number_value
 
 ALPHABET = "-.0123456789truefalsn"  # what numbers and literals are spelled with
@@ -31,9 +31,9 @@ ITEM_SCHEMAS = [
 ]
 
 
-def language(compiler, tokenizer, items: dict) -> dict[str, object]:
+def language(compiler, tokenizer, items: dict, defs: dict | None = None) -> dict[str, object]:
     """Every item spelling the grammar of an array of ``items`` accepts -> its value for uniqueness."""
-    compiled = compiler.compile(ConstraintSpec.json_schema({"type": "array", "items": items}))
+    compiled = compiler.compile(ConstraintSpec.json_schema({"type": "array", "items": items, "$defs": defs or {}}))
 
     def takes(text: str) -> bool:
         return compiler.matcher(compiled).consume_tokens(tokenizer.encode(text))
@@ -87,7 +87,92 @@ def test_unbounded_numbers_reach_without_end_except_where_they_can_not_grow():
                                    {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 1},
                                    {"enum": ["a", "b"], "format": "email"}])
 def test_item_spaces_not_followed_exactly_are_none(items):
+    """Without the grammar engine to ask (no oracle), these are not followed."""
     assert item_space(items) is None
+
+
+@pytest.mark.parametrize("items", [{"allOf": [{"type": ["string", "integer"]}, {"minimum": 1}]},  # mixed kinds
+                                   {"allOf": [{"minimum": 1}]},  # no member declares a type
+                                   {"allOf": [{"type": "object"}]}, {"not": {"type": "string"}},
+                                   {"allOf": [{"$ref": "#/$defs/loop"}, {"type": "integer"}]}])
+def test_composed_items_not_followed_stay_refused(compiler, items):
+    """An `allOf` is followed where its values are of one kind the engine can be asked about: strings, or numbers
+    and literals; a `$ref` cycle is never inlined."""
+    schema = {"type": "array", "items": items, "uniqueItems": True,
+              "$defs": {"loop": {"allOf": [{"$ref": "#/$defs/loop"}]}}}
+    with pytest.raises(UnsupportedConstraintError):
+        compiler.compile(ConstraintSpec.json_schema(schema))
+
+
+# Items whose language is the grammar engine's own (`scheduler.grammar_scalars`): llguidance is asked.
+ASKED_ITEMS = [
+    {"type": "number", "multipleOf": 0.25, "minimum": -2, "maximum": 2},
+    {"type": "number", "multipleOf": 0.5, "exclusiveMinimum": -1, "maximum": 3},
+    {"type": "number", "multipleOf": 0.1, "minimum": 0, "maximum": 0.6},
+    {"allOf": [{"type": "integer"}, {"minimum": -3, "maximum": 9}]},
+    {"allOf": [{"type": "integer", "minimum": -3}, {"maximum": 5}, {"not": {"const": 0}}]},
+    {"allOf": [{"type": "number", "minimum": 0}, {"maximum": 1}, {"multipleOf": 0.25}]},
+    {"allOf": [{"type": ["boolean", "null", "integer"]}, {"minimum": 0, "maximum": 2}]},
+    {"allOf": [{"$ref": "#/$defs/small"}, {"minimum": 1}]},
+]
+
+
+@pytest.mark.parametrize("items", ASKED_ITEMS, ids=[json.dumps(s) for s in ASKED_ITEMS])
+def test_items_asked_of_the_grammar_are_dead_exactly_where_its_language_says(compiler, tokenizer, items):
+    """Numbers on a fractional grid and `allOf` items: the same agreement with the grammar's item language as
+    the counted items above, for every prefix of every spelling (a bare `-` included: the engine's answer is its
+    own, `-0` where it takes it) and many used sets."""
+    defs = {"small": {"type": "integer", "maximum": 6}}
+    spellings = language(compiler, tokenizer, items, defs)
+    values = set(spellings.values())
+    assert len(values) >= 4, spellings
+    schema = {"type": "array", "items": items, "uniqueItems": True, "$defs": defs}
+    nav = compiler.compile(ConstraintSpec.json_schema(schema)).nav
+    space = nav.item_space(nav.top())
+    assert space is not None
+    prefixes = {text[:n] for text in spellings for n in range(1, len(text) + 1)}
+    rng = random.Random(2)
+    used_sets = [set(), set(values)] + [set(rng.sample(sorted(values, key=repr), rng.randrange(len(values))))
+                                        for _ in range(20)]
+    for used in used_sets:
+        assert space.exhausted(used) == (values <= used), used
+        for prefix in prefixes:
+            reached = {v for text, v in spellings.items() if text.startswith(prefix)}
+            assert space.scalar_dead(prefix.encode(), used) == (reached <= used), (prefix, used)
+    assert not space.scalar_dead(b"x", set())
+
+
+@pytest.mark.parametrize(("written", "value", "expected"), [
+    (b"", "5", True), (b"-", "5", False), (b"-", "0", True), (b"-0", "0", True), (b"0.0", "0", True),
+    (b"1", "10", True), (b"10", "1", True), (b"1.0", "1", True), (b"1.01", "1", False), (b"12", "1.2", True),
+    (b"2", "1", False), (b"0.5", "0.5", True), (b"0.50", "0.5", True), (b"0.05", "0.5", True),
+    (b"1e", "100", True), (b"1e2", "100", True), (b"1e3", "100", False), (b"1e-", "100", False),
+    (b"1e+02", "100", True), (b"10e1", "100", True), (b"1e-1", "0.1", True), (b"1e1", "0.1", False),
+    (b"0e5", "0", True), (b"0e5", "1", False), (b"01", "1", False), (b"1.e", "1", False), (b"t", "1", False),
+])
+def test_may_spell_knows_every_json_spelling_of_a_number(written, value, expected):
+    from scheduler.grammar_scalars import may_spell
+
+    assert may_spell(written, Decimal(value)) is expected
+
+
+def test_may_spell_is_never_too_short_against_every_short_spelling():
+    """Brute force: every JSON number spelled in up to 5 characters; for each of its prefixes, `may_spell` must
+    say yes to its value (an over-approximation is allowed, a miss is not)."""
+    import itertools
+
+    from scheduler.grammar_scalars import may_spell
+
+    for length in range(1, 6):
+        for chars in itertools.product("-0159.e", repeat=length):
+            text = "".join(chars)
+            try:
+                json.loads(text)
+                value = Decimal(text).normalize()
+            except (ValueError, ArithmeticError):
+                continue
+            for n in range(len(text) + 1):
+                assert may_spell(text[:n].encode(), value), (text, n)
 
 
 def test_a_union_of_item_schemas_follows_every_branch():

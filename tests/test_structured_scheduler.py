@@ -468,11 +468,16 @@ BOUNDED_UNIQUE = [
       "minItems": 1}, ("x", "y", '","', ",")),
     ({"type": "array", "items": {"type": "string", "format": "ipv4", "pattern": "^10\\.0\\.0\\.[1-3]$"},
       "uniqueItems": True, "minItems": 1}, ("1", '","', ",")),
+    ({"type": "array", "items": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 1},
+      "uniqueItems": True, "minItems": 1}, ("0", ".", "5", ",")),
+    ({"type": "array", "items": {"allOf": [{"type": "integer"}, {"minimum": 1, "maximum": 3}]},
+      "uniqueItems": True, "minItems": 1}, ("1", ",")),
 ]
 
 
 @pytest.mark.parametrize(("schema", "pushed"), BOUNDED_UNIQUE,
-                         ids=["range", "mixed", "bounded-number", "enum", "any-of", "pattern", "format"])
+                         ids=["range", "mixed", "bounded-number", "enum", "any-of", "pattern", "format",
+                              "fractional-grid", "all-of"])
 def test_unique_arrays_of_bounded_scalars_neither_repeat_nor_run_into_a_dead_end(setup, schema, pushed):
     """Items that can run out (a range, booleans and null, a number at its maximum, an enum of mixed values, a
     union of a range and null, a pattern's and a format's strings): a random model pushed to write the same
