@@ -257,19 +257,19 @@ class ItemSpace:
 def item_space(items: Any, strict: bool = True, resolve: Callable[[Any], Any] = lambda node: node,
                depth: int = 0, oracle: ItemOracle | None = None) -> ItemSpace | None:
     """The item space of a unique array's item schema (``resolve`` follows a `$ref`), or None when it is not one
-    this module can follow exactly: objects or arrays, schemas composed other than by `anyOf` / `oneOf` of such
-    items alone (their items are any branch's: the union) or by an `allOf` of scalars of one kind (strings, or
-    numbers and literals), `not`, `if`. Strings under a `pattern` or `format`, numbers on a fractional
-    `multipleOf` and `allOf` items are followed only where ``oracle`` asks the grammar engine."""
+    this module can follow exactly: objects or arrays, or a composition (other than an `anyOf` / `oneOf` alone,
+    whose items are any branch's: the union) whose values are not all of one kind (strings, or numbers and
+    literals). Strings under a `pattern` or `format`, numbers on a fractional `multipleOf` and composed items
+    are followed only where ``oracle`` asks the grammar engine."""
     items = resolve(items)
-    if depth > MAX_BRANCH_DEPTH or not isinstance(items, dict) or any(k in items for k in ("not", "if", "$ref")):
+    if depth > MAX_BRANCH_DEPTH or not isinstance(items, dict) or "$ref" in items:
         return None
-    if "allOf" in items:
+    if any(k in items for k in ("allOf", "not", "if")) or _constrained_union(items):
         return _composed(items, strict, resolve, oracle)
     for key in ("anyOf", "oneOf"):
         if key in items:
             branches = items[key]
-            if set(items) - {key} - _ANNOTATIONS or not isinstance(branches, list) or not branches:
+            if not isinstance(branches, list) or not branches:
                 return None
             spaces = [item_space(branch, strict, resolve, depth + 1, oracle) for branch in branches]
             return None if None in spaces else reduce(ItemSpace.union, spaces)  # type: ignore[arg-type]
@@ -325,10 +325,16 @@ def _number_part(items: dict[str, Any], kinds: set[str], strict: bool,
     return None if part is _REFUSED or part is _NOT_ASKED else part
 
 
+def _constrained_union(items: dict[str, Any]) -> bool:
+    """An `anyOf` / `oneOf` beside other keywords (an exact rewrite of a `not` leaves `type` beside one): the
+    branches are intersected with them."""
+    return any(key in items and set(items) - {key} - _ANNOTATIONS for key in ("anyOf", "oneOf"))
+
+
 def _composed(items: dict[str, Any], strict: bool, resolve: Callable[[Any], Any],
               oracle: ItemOracle | None) -> ItemSpace | None:
-    """An `allOf` item schema whose values are of one kind: strings, or numbers and literals (its `$ref`s inlined
-    for the engine); its language is the engine's."""
+    """An item schema composed by `allOf`, `not`, `if` or a union beside other keywords, whose values are of one
+    kind: strings, or numbers and literals (its `$ref`s inlined for the engine); its language is the engine's."""
     kinds = _declared_kinds(items, resolve)
     standalone = _inlined(items, resolve)
     if kinds is None or standalone is None or not kinds <= SCALAR_KINDS or "string" in kinds and len(kinds) > 1:

@@ -842,6 +842,24 @@ def test_unique_items_in_a_tool_call_are_kept_per_function(compiler, tokenizer, 
         assert compiled.nav is not None
 
 
+def test_grammar_asked_unique_items_hold_in_a_tool_call(compiler, tokenizer):
+    """A function's unique array of numbers on a fractional grid (asked of llguidance's byte grammar) in a
+    required call: a repeated `0.5` can not complete, and once 0, 0.5 and 1 are used no comma is left."""
+    everything = np.full((tokenizer.vocab_size + 31) // 32, 0xFFFFFFFF, np.uint32)
+    halves = {"type": "array", "items": {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 1},
+              "uniqueItems": True}
+    compiled = compiler.compile(ConstraintSpec.tools([_function("f", halves)], "required"))
+
+    def repeating(text: str) -> set[str]:
+        tracker = compiler.matcher(compiled).keys
+        tracker.feed(text.encode())
+        return {tokenizer.decode([t]) for t in tracker.repeating(everything)}
+
+    call = TOOL_CALL_MARKER + '{"name":"f","arguments":{"tags":['
+    assert "5" in repeating(call + "0.5,0.") and "5" not in repeating(call + "0,0.")
+    assert "," in repeating(call + "0,0.5,1") and "," not in repeating(call + "0,1")
+
+
 @pytest.mark.parametrize(("schema", "possible"), [
     ({"type": "object", "properties": {"a": {"type": "integer"}}}, False),  # closed by the strict narrowing
     ({"anyOf": [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "null"}]}, False),

@@ -114,6 +114,7 @@ ASKED_ITEMS = [
     {"allOf": [{"type": "number", "minimum": 0}, {"maximum": 1}, {"multipleOf": 0.25}]},
     {"allOf": [{"type": ["boolean", "null", "integer"]}, {"minimum": 0, "maximum": 2}]},
     {"allOf": [{"$ref": "#/$defs/small"}, {"minimum": 1}]},
+    {"type": "integer", "minimum": 0, "maximum": 9, "anyOf": [{"maximum": 2}, {"minimum": 7}]},
 ]
 
 
