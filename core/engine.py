@@ -20,6 +20,7 @@ import numpy as np
 
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
+from core.lora import LoraAdapter, attach_slots, with_adapter
 from core.model import decode_step, prefill_chunk, verify_chunk
 from core.program_store import ProgramStore
 from core.programs import Program, ProgramKey, ProgramTable, abstract
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "decode_sample_full")
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
+NO_ADAPTER = -1  # a KV slot whose rows get no LoRA terms
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,16 @@ class EngineConfig:
     # E2B step, benchmarks/results/engine-gpu-gemma4-e2b-fused.json), and on CPU each attention bucket would
     # add two programs to compile at every start for a saving lost in a ~100 ms step.
     fused_sampling: bool = False
+    # LoRA adapter slots compiled into every model step (docs/lora.md): each KV slot's rows use one of them or
+    # none, and loading an adapter writes into a slot (no program changes). 0: no adapter path at all.
+    adapter_slots: int = 0
+    adapter_rank: int = 16  # every slot holds an adapter of up to this rank (smaller ones are zero-padded)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
             raise ValueError("num_slots and max_len must be positive")
+        if self.adapter_slots < 0 or self.adapter_rank < 1:
+            raise ValueError("adapter_slots must be >= 0 and adapter_rank positive")
         if not self.chunk_sizes or sorted(set(self.chunk_sizes)) != list(self.chunk_sizes):
             raise ValueError("chunk_sizes must be a non-empty strictly increasing tuple")
         buckets = self.attention_buckets
@@ -119,12 +127,19 @@ class Engine:
         """``program_store``: where exported programs are read back from and kept (`core.program_store`)."""
         self.cfg = cfg
         self.program_store = program_store
+        if config.adapter_slots:
+            params = attach_slots(params, [None] * config.adapter_slots, cfg, config.adapter_rank,
+                                  every_projection=True)
         self.params = params
         self.config = config
         self.dtype = dtype
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
+        # Rows of an adapter run float products besides the int8 ones, whose bits batched verification is not
+        # proven to keep: no batched verify program where adapters may run.
         self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
-                                  and all_matmuls_integer(params))
+                                  and all_matmuls_integer(params) and not config.adapter_slots)
+        self.slot_adapters = np.full(config.num_slots, NO_ADAPTER, np.int32)  # each KV slot's adapter slot
+        self.loaded_adapters: list[str | None] = [None] * config.adapter_slots  # each adapter slot's fingerprint
         self.cache = init_cache(cfg, self.spec)
         self.buckets = config.bucket_lengths()
         self.fused_sampling = config.fused_sampling
@@ -147,6 +162,31 @@ class Engine:
     @property
     def bytes_per_slot(self) -> int:
         return cache_bytes_per_slot(self.cfg, self.spec)
+
+    # ---- LoRA adapter slots ------------------------------------------------------------------------------
+    def load_adapter(self, index: int, adapter: LoraAdapter | None) -> None:
+        """Write ``adapter`` (None: zeros) into adapter slot ``index``. The programs are unchanged; a KV slot
+        whose rows use this adapter slot must not be mid-request (the caller's to ensure)."""
+        if not 0 <= index < self.config.adapter_slots:
+            raise ValueError(f"adapter slot {index} out of range (this engine has {self.config.adapter_slots})")
+        if adapter is not None and adapter.rank > self.config.adapter_rank:
+            raise ValueError(f"adapter rank {adapter.rank} is over the engine's {self.config.adapter_rank}")
+        self.params = with_adapter(self.params, index, adapter)
+        self.loaded_adapters[index] = None if adapter is None else adapter.fingerprint
+
+    def use_adapter(self, slot: int, index: int) -> None:
+        """The adapter slot whose terms KV slot ``slot``'s rows get from now on (NO_ADAPTER: none)."""
+        if not (index == NO_ADAPTER or 0 <= index < self.config.adapter_slots):
+            raise ValueError(f"adapter slot {index} out of range (this engine has {self.config.adapter_slots})")
+        self.slot_adapters[slot] = index
+
+    @property
+    def adapter_bytes_per_slot(self) -> int:
+        """Device bytes one adapter slot takes (every projection at the maximum rank)."""
+        if not self.config.adapter_slots:
+            return 0
+        arrays = [a for lp in self.params["layers"] for pair in lp.get("lora", {}).values() for a in pair]
+        return sum(a.nbytes for a in arrays) // self.config.adapter_slots
 
     # ---- programs --------------------------------------------------------------------------
     def _build_programs(self, model: dict[str, Any]) -> dict[ProgramKey, Program]:
@@ -206,17 +246,17 @@ class Engine:
         logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
         kind = key[0]
         if kind == "prefill":
-            return params, cache, i32(1, key[1]), i32(3)
+            return params, cache, i32(1, key[1]), i32(4)
         if kind == "prefill_rows":
-            return params, cache, i32(rows, self.row_chunk), i32(2, rows)
+            return params, cache, i32(rows, self.row_chunk), i32(3, rows)
         if kind == "decode":
-            return params, cache, i32(3, rows)
+            return params, cache, i32(4, rows)
         if kind in ("decode_sample", "decode_sample_full"):
-            return params, cache, i32(3, rows), sampler, i32(rows), i32(rows)
+            return params, cache, i32(4, rows), sampler, i32(rows), i32(rows)
         if kind == "verify":
-            return params, cache, i32(1, self.config.verify_tokens), i32(3)
+            return params, cache, i32(1, self.config.verify_tokens), i32(4)
         if kind == "verify_rows":
-            return params, cache, i32(rows, self.config.rows_verify_width), i32(2, rows)
+            return params, cache, i32(rows, self.config.rows_verify_width), i32(3, rows)
         if kind == "read":
             return cache, i32(), i32()
         if kind == "write":
@@ -296,7 +336,7 @@ class Engine:
         n = len(tokens)
         padded = np.zeros((1, size), np.int32)
         padded[0, :n] = tokens
-        ints = _one_slot(start, n, slot)
+        ints = self._one_slot(start, n, slot)
         attend = attend or self.bucket_for(np.array([start + n - 1]))
         logits, self.cache = self.programs["prefill", size, attend](self.params, self.cache, padded, ints)
         return logits
@@ -316,7 +356,8 @@ class Engine:
 
     def _prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]], attend: int | None = None) -> jax.Array:
         tokens = np.zeros((self.num_slots, self.row_chunk), np.int32)
-        ints = np.zeros((2, self.num_slots), np.int32)  # [start, n] per slot
+        ints = np.zeros((3, self.num_slots), np.int32)  # [start, n, adapter] per slot
+        ints[2] = self.slot_adapters
         for slot, piece, start in pieces:
             piece = np.asarray(piece, np.int32)
             if not 1 <= len(piece) <= self.row_chunk or ints[1, slot]:
@@ -332,7 +373,7 @@ class Engine:
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> jax.Array:
         """One token for every slot: slot s reads tokens[s] at positions[s]; idle slots write nothing.
         Returns logits [S, V] (device)."""
-        packed = _decode_inputs(tokens, positions, active)
+        packed = _decode_inputs(tokens, positions, active, self.slot_adapters)
         logits, self.cache = self.programs["decode", self.bucket_for(packed[1])](self.params, self.cache, packed)
         return logits
 
@@ -344,7 +385,7 @@ class Engine:
                       needs_full: bool = True, dry_limits: np.ndarray | None = None) -> SampleResult:
         """`decode` then `sample` with no mask, as one program (check `fused_ready` first): the same tokens,
         logprobs and sampler state bit for bit as the two calls."""
-        packed = _decode_inputs(tokens, positions, active)
+        packed = _decode_inputs(tokens, positions, active, self.slot_adapters)
         limits = self._dry_limits(dry_limits)
         program = self.programs[_fused_kind(needs_full), self.bucket_for(packed[1])]
         *result, self.cache, self.sampler = program(self.params, self.cache, packed, self.sampler,
@@ -370,7 +411,7 @@ class Engine:
     def _verify(self, slot: int, tokens: np.ndarray, start: int) -> list[int]:
         padded = np.zeros((1, self.config.verify_tokens), np.int32)
         padded[0, :len(tokens)] = tokens
-        ints = _one_slot(start, len(tokens), slot)
+        ints = self._one_slot(start, len(tokens), slot)
         fn = self.programs["verify", self.bucket_for(np.array([start + len(tokens) - 1]))]
         greedy, accepted, self.cache = fn(self.params, self.cache, padded, ints)
         greedy, accepted = jax.device_get((greedy, accepted))
@@ -403,7 +444,7 @@ class Engine:
                      attend: int) -> tuple[np.ndarray, np.ndarray]:
         padded = np.zeros((self.num_slots, self.config.rows_verify_width), np.int32)
         padded[:, :tokens.shape[1]] = tokens
-        ints = np.stack([starts, counts]).astype(np.int32)
+        ints = np.stack([starts, counts, self.slot_adapters]).astype(np.int32)
         greedy, accepted, self.cache = self.programs["verify_rows", attend](self.params, self.cache, padded, ints)
         return jax.device_get((greedy, accepted))
 
@@ -417,6 +458,11 @@ class Engine:
         """How many tokens a verify step at `start` may take and still attend over the bucket a decode step
         at `start` uses (so its rows equal decode steps bit for bit)."""
         return min(self.config.verify_tokens, self.bucket_for(np.array([start])) - start)
+
+    def _one_slot(self, start: int, n: int, slot: int) -> np.ndarray:
+        """The int32 [4] a one-slot step takes: where its chunk starts, how many tokens are real, which slot,
+        and that slot's adapter. (Steps over every slot take [k, num_slots] rows of per-slot values instead.)"""
+        return np.array([start, n, slot, self.slot_adapters[slot]], np.int32)
 
     def _check_positions(self, start: int, n: int) -> None:
         """A call writes positions start..start+n-1 of a slot: they must lie within it."""
@@ -498,32 +544,30 @@ class Engine:
         self.cache = self.programs["copy", size](self.cache, np.array([src, dst, n], np.int32))
 
 
-def _one_slot(start: int, n: int, slot: int) -> np.ndarray:
-    """The int32 [3] a one-slot step takes: where its chunk starts, how many tokens are real, which slot.
-    (Steps over every slot take [k, num_slots] rows of per-slot values instead.)"""
-    return np.array([start, n, slot], np.int32)
-
-
 def _prefill_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
-    start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
+    start, n_valid, slot, adapter = ints[0:1], ints[1:2], ints[2:3], ints[3:4]
     logits, cache = prefill_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
-                                  view_width=view_width)
+                                  view_width=view_width, adapters=adapter)
     return logits[0], cache  # [V]: the one row, sliced inside the program (an eager slice compiles a program)
 
 
 def _prefill_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
     return prefill_chunk(params, cache, tokens, ints[0], ints[1], None, cfg=cfg, attend=attend,
-                         view_width=view_width)
+                         view_width=view_width, adapters=ints[2])
 
 
 def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int):
-    tokens, positions, active = packed[0], packed[1], packed[2]
-    return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width)
+    tokens, positions, active, adapters = packed[0], packed[1], packed[2], packed[3]
+    return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width,
+                       adapters=adapters)
 
 
-def _decode_inputs(tokens: np.ndarray, positions: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """The int32 [3, S] a decode step takes: each slot's token, position and whether it is active."""
-    return np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(active, np.int32)])
+def _decode_inputs(tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
+                   adapters: np.ndarray) -> np.ndarray:
+    """The int32 [4, S] a decode step takes: each slot's token, position, whether it is active and its adapter
+    slot."""
+    return np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(active, np.int32),
+                     np.asarray(adapters, np.int32)])
 
 
 def _fused_kind(needs_full: bool) -> str:
@@ -549,9 +593,9 @@ def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -
 
 
 def _verify_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
-    start, n_valid, slot = ints[0:1], ints[1:2], ints[2:3]
+    start, n_valid, slot, adapter = ints[0:1], ints[1:2], ints[2:3], ints[3:4]
     logits, cache = verify_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
-                                 view_width=view_width)
+                                 view_width=view_width, adapters=adapter)
     greedy = jnp.argmax(logits, axis=-1)
     return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
 
@@ -559,7 +603,7 @@ def _verify_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: i
 def _verify_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
     starts, n_valid = ints[0], ints[1]
     logits, cache = verify_chunk(params, cache, tokens, starts, n_valid, None, cfg=cfg, attend=attend,
-                                 view_width=view_width)
+                                 view_width=view_width, adapters=ints[2])
     greedy = jnp.argmax(logits, axis=-1)
     return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
 

@@ -16,9 +16,11 @@ the text model is the one served.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,18 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What the adapter computes, as a hash of its scale and pairs: equal for equal adapters wherever they
+        were read from, different once a file's contents change (KV is shared only under one fingerprint)."""
+        digest = hashlib.sha256(f"{self.scale!r}".encode())
+        for key in sorted(self.pairs):
+            digest.update(repr(key).encode())
+            for array in self.pairs[key]:
+                digest.update(repr(array.shape).encode())
+                digest.update(np.ascontiguousarray(array, np.float32).tobytes())
+        return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -175,54 +189,91 @@ def _check_half(array: np.ndarray, half: str, weight_shape: tuple[int, ...], ran
 
 # ---- batched application: every row its own adapter slot, static shapes ----------------------------------------
 #
-# The adapters of S slots, each padded to the maximum rank R, are stacked per projection into one `down`
-# [S*R, in] (the A matrices) and one `up` [S*R, out] (the B matrices, scale folded in). A row's slot picks its
-# R columns of x @ down^T through a 0/1 mask; rows with no adapter have an all-zero mask. One matmul pair serves a
-# batch of mixed adapters, in plain XLA (the S-LoRA / Punica shape without a custom kernel): `core.model.
-# lora_delta`, applied to every projection that has slots in the layer's "lora" params (`attach_slots`).
+# The adapters of S slots, each zero-padded to the maximum rank R, are stacked per projection into `down`
+# [S, R, in] (the A matrices) and `up` [S, out, R] (the B matrices, scale folded in). Each batch row names its
+# slot (-1: none); `core.model.lora_delta` picks the row's matrices by that index and applies them with the
+# model's own `linear` (two small matmuls per row: the Punica / S-LoRA gather without a custom kernel), so a
+# row's terms do not depend on the other rows of its batch or on how many tokens share its call.
 
 
 def pack_slots(adapters: list[LoraAdapter | None], layer: int, target: str, in_dim: int, out_dim: int,
                max_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """(down [S*R, in], up [S*R, out]) float32 for projection ``target`` of ``layer``: slot s holds adapter s's
+    """(down [S, R, in], up [S, out, R]) float32 for projection ``target`` of ``layer``: slot s holds adapter s's
     pair (scale folded into up), zero-padded to ``max_rank``; a slot with no adapter, or whose adapter leaves
     this projection alone, is zeros."""
-    slots = len(adapters)
-    down = np.zeros((slots * max_rank, in_dim), np.float32)
-    up = np.zeros((slots * max_rank, out_dim), np.float32)
+    down = np.zeros((len(adapters), max_rank, in_dim), np.float32)
+    up = np.zeros((len(adapters), out_dim, max_rank), np.float32)
     for s, adapter in enumerate(adapters):
         pair = None if adapter is None else adapter.pairs.get((layer, target))
-        if pair is None:
-            continue
-        a, b = pair  # [r, in], [out, r]
-        rank = a.shape[0]
-        down[s * max_rank:s * max_rank + rank] = a
-        up[s * max_rank:s * max_rank + rank] = (adapter.scale * b).T
+        if pair is not None:
+            write_pair(down, up, s, adapter.scale, *pair)
     return down, up
 
 
-def slot_mask(slots_of_rows: np.ndarray, slots: int, max_rank: int) -> np.ndarray:
-    """[B, S*R] float32: 1 over the R columns of each row's slot (``slots_of_rows`` [B] int, -1: no adapter)."""
-    columns = np.arange(slots * max_rank) // max_rank
-    return (columns[None, :] == np.asarray(slots_of_rows)[:, None]).astype(np.float32)
+def write_pair(down: np.ndarray, up: np.ndarray, slot: int, scale: float, a: np.ndarray | None,
+               b: np.ndarray | None) -> None:
+    """Put one adapter's pair (A [r, in], B [out, r]; None: zeros) into slot ``slot`` of stacked arrays."""
+    down[slot] = 0
+    up[slot] = 0
+    if a is not None and b is not None:
+        rank = a.shape[0]
+        down[slot, :rank] = a
+        up[slot, :, :rank] = scale * b
 
 
-def attach_slots(params: dict[str, Any], adapters: list[LoraAdapter | None], cfg: ModelConfig,
-                 max_rank: int) -> dict[str, Any]:
-    """A copy of ``params`` whose layers carry "lora": {target: (down, up)} slots (`pack_slots`) for every
-    projection some adapter adapts, in the compute dtype."""
+def adapted_projections(cfg: ModelConfig) -> dict[tuple[int, str], tuple[int, int]]:
+    """(layer index, target) -> (in, out) for every projection an adapter slot may change: all seven in each
+    decoder layer, but k/v where a layer shares another's cache (it computes none)."""
+    shapes, _ = expected_tensor_shapes(cfg)
+    found = {}
+    for layer in cfg.layers:
+        for target, module in TARGETS.items():
+            if target in ("k_proj", "v_proj") and not layer.owns_cache:
+                continue
+            name = f"layers.{layer.index}.{module}.{target}.weight"
+            if name in shapes:
+                out_dim, in_dim = shapes[name]
+                found[layer.index, target] = (in_dim, out_dim)
+    return found
+
+
+def attach_slots(params: dict[str, Any], adapters: list[LoraAdapter | None], cfg: ModelConfig, max_rank: int,
+                 every_projection: bool = False) -> dict[str, Any]:
+    """A copy of ``params`` whose layers carry "lora": {target: (down, up)} slots (`pack_slots`) in the compute
+    dtype: for every projection some adapter adapts, or (``every_projection``) for all of them, so that any
+    adapter can be written into a slot later without changing a shape."""
     import jax.numpy as jnp
 
-    shapes, _ = expected_tensor_shapes(cfg)
     dtype = params["final_norm"].dtype
     adapted = {key for adapter in adapters if adapter is not None for key in adapter.pairs}
+    projections = adapted_projections(cfg)
     layers = []
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         slots = {}
-        for target, module in TARGETS.items():
-            if (layer.index, target) in adapted:
-                out_dim, in_dim = shapes[f"layers.{layer.index}.{module}.{target}.weight"]
-                down, up = pack_slots(adapters, layer.index, target, in_dim, out_dim, max_rank)
+        for target in TARGETS:
+            key = (layer.index, target)
+            if key in projections and (every_projection or key in adapted):
+                down, up = pack_slots(adapters, layer.index, target, *projections[key], max_rank)
                 slots[target] = (jnp.asarray(down, dtype), jnp.asarray(up, dtype))
+        layers.append({**lp, "lora": slots} if slots else lp)
+    return {**params, "layers": layers}
+
+
+def with_adapter(params: dict[str, Any], slot: int, adapter: LoraAdapter | None) -> dict[str, Any]:
+    """A copy of slotted ``params`` (`attach_slots` with every projection) whose slot ``slot`` holds
+    ``adapter`` (None: zeros). Only the "lora" arrays are replaced, with arrays of the same shapes and dtypes, so
+    programs compiled for ``params`` run it unchanged. Copies through the host: rare, and no program to
+    compile."""
+    import jax.numpy as jnp
+
+    layers = []
+    for index, lp in enumerate(params["layers"]):
+        slots = {}
+        for target, (down, up) in lp.get("lora", {}).items():
+            host_down, host_up = np.array(down, np.float32), np.array(up, np.float32)
+            pair = None if adapter is None else adapter.pairs.get((index, target))
+            write_pair(host_down, host_up, slot, 0.0 if adapter is None else adapter.scale,
+                       *(pair if pair is not None else (None, None)))
+            slots[target] = (jnp.asarray(host_down, down.dtype), jnp.asarray(host_up, up.dtype))
         layers.append({**lp, "lora": slots} if slots else lp)
     return {**params, "layers": layers}

@@ -284,12 +284,17 @@ def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Ar
     return {name: arr[slot, index] for name, arr in entry.items()}, key_pos
 
 
-def lora_delta(x, down, up, mask):
-    """What each row's LoRA adapter adds to a projection of x [B, T, in]: ((x @ down^T) * mask) @ up ->
-    [B, T, out], with the slots' A matrices stacked in down [S*R, in], their scaled B matrices in up [S*R, out]
-    and mask [B, S*R] selecting each row's slot (`core.lora.pack_slots`, `slot_mask`). Numpy or JAX arrays."""
-    low = (x @ down.T) * mask[:, None, :]
-    return low @ up
+def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array) -> jax.Array:
+    """What each row's LoRA adapter adds to a projection of x [B, T, in] -> [B, T, out]: down [S, R, in] holds
+    the slots' A matrices, up [S, out, R] their scaled B matrices (`core.lora.pack_slots`), rows [B] int32 each
+    row's slot (-1: none, which adds exactly zero). Per row, two `linear` products with that slot's matrices:
+    a row's terms are the same bits whatever the other rows' adapters and however many tokens share its call
+    (the float products are row-invariant: tests/test_exactness.py), so prefix reuse stays exact."""
+    deltas = []
+    for b in range(x.shape[0]):
+        slot = jnp.maximum(rows[b], 0)
+        deltas.append(linear(linear(x[b], down[slot]), up[slot]))
+    return jnp.where((rows >= 0)[:, None, None], jnp.stack(deltas), jnp.zeros((), up.dtype))
 
 
 def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: Chunk | None) -> jax.Array:
@@ -355,7 +360,7 @@ def hidden_states(
     cfg: ModelConfig,
     attend: int | None = None,
     view_width: int = 1,
-    adapter_mask: jax.Array | None = None,
+    adapters: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T tokens per row through the embedding, every decoder layer and the final norm: (h [B, T, H], cache).
 
@@ -370,8 +375,8 @@ def hidden_states(
 
     New K/V are scattered into the donated cache before any layer reads it, so XLA updates it in place (a
     read before a later scatter makes it copy the whole cache), and every query reads its keys back from the
-    cache in the cache's own dtype, as decode does. adapter_mask [B, S*R]: each row's LoRA slot (`lora_delta`;
-    the slots are the layers' "lora" params).
+    cache in the cache's own dtype, as decode does. adapters [B] int32: each row's LoRA slot, -1 for none
+    (`lora_delta`; the slots are the layers' "lora" params; None: no row has one).
     """
     t = tokens.shape[1]
     dtype = params["final_norm"].dtype  # the compute dtype
@@ -384,7 +389,7 @@ def hidden_states(
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
     chunk = Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
-                  attend=attend, view_width=view_width, adapters=adapter_mask)
+                  attend=attend, view_width=view_width, adapters=adapters)
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         h, cache = decoder_layer(h, cache, lp, layer, cfg, chunk, ropes[(layer.kind, layer.head_dim)],
                                  None if ple is None else ple[:, :, layer.index, :])
@@ -408,12 +413,13 @@ def prefill_chunk(
     cfg: ModelConfig,
     attend: int | None = None,
     view_width: int = 1,
+    adapters: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """A prompt chunk per row, tokens [B, T] int32 from starts [B] (n_valid [B] real, slots [B] or None, as in
-    `hidden_states`), continuing what each slot holds: (logits [B, V] float32 at each row's last real token,
-    cache)."""
+    """A prompt chunk per row, tokens [B, T] int32 from starts [B] (n_valid [B] real, slots [B] or None,
+    adapters [B] or None, as in `hidden_states`), continuing what each slot holds: (logits [B, V] float32 at
+    each row's last real token, cache)."""
     h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                             view_width=view_width)
+                             view_width=view_width, adapters=adapters)
     return lm_head(params, cfg, last_real_token(h, n_valid)), cache
 
 
@@ -427,11 +433,13 @@ def decode_step(
     cfg: ModelConfig,
     attend: int | None = None,
     view_width: int = 1,
+    adapters: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One token for every slot of the pool: tokens [B] int32 at positions [B] int32, active [B] (0 / 1; an
-    idle slot writes nothing): (logits [B, V] float32, cache)."""
+    idle slot writes nothing), adapters [B] (each slot's LoRA slot, -1 none) or None: (logits [B, V] float32,
+    cache)."""
     return prefill_chunk(params, cache, tokens[:, None], positions, active, None, cfg=cfg, attend=attend,
-                         view_width=view_width)
+                         view_width=view_width, adapters=adapters)
 
 
 def sequence_logits(
@@ -445,12 +453,12 @@ def sequence_logits(
     cfg: ModelConfig,
     attend: int | None = None,
     view_width: int = 1,
-    adapter_mask: jax.Array | None = None,
+    adapters: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Logits at every position of a chunk (scoring a whole sequence, teacher forcing): tokens [B, T] int32
     and the rest as in `hidden_states` -> (logits [B, T, V] float32, cache)."""
     h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                             view_width=view_width, adapter_mask=adapter_mask)
+                             view_width=view_width, adapters=adapters)
     return lm_head(params, cfg, h), cache
 
 
@@ -465,12 +473,13 @@ def verify_chunk(
     cfg: ModelConfig,
     attend: int | None = None,
     view_width: int = 1,
+    adapters: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """A speculative verify chunk per row (the last sampled token, then drafts): tokens [B, T] int32 and the
     rest as in `hidden_states` -> (logits [B, T, V] float32 after each token, cache). view_width must be the
     one decode steps use, so each row's logits equal the decode step's at that position."""
     return sequence_logits(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                           view_width=view_width)
+                           view_width=view_width, adapters=adapters)
 
 
 @dataclass(frozen=True)
@@ -487,7 +496,7 @@ class Chunk:
     slots: jax.Array | None
     attend: int | None
     view_width: int
-    adapters: jax.Array | None = None  # [B, S*R] each row's LoRA slot columns (`lora_delta`), or None
+    adapters: jax.Array | None = None  # [B] int32 each row's LoRA slot, -1 for none (`lora_delta`), or None
 
 
 def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig, chunk: Chunk,

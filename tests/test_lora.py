@@ -105,9 +105,12 @@ def test_an_adapter_for_another_model_is_refused_by_its_shapes(tmp_path):
 
 
 def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
-    """Rows of three adapters of different ranks and a row with none, through one stacked matmul pair: each row
-    gets exactly scale * x @ A^T @ B^T of its own adapter (its slot's padding and the other slots add nothing)."""
-    from core.lora import pack_slots, slot_mask
+    """Rows of three adapters of different ranks and a row with none, through the stacked slots: each row gets
+    scale * x @ A^T @ B^T of its own adapter (its slot's padding and the other slots add nothing), the row with
+    none exactly zero."""
+    import jax.numpy as jnp
+
+    from core.lora import pack_slots
     from core.model import lora_delta
 
     cfg = model_config("gemma3")
@@ -121,7 +124,7 @@ def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
     down, up = pack_slots(slots, 0, "gate_proj", h, out, max_rank=8)
     rows = np.array([2, -1, 0, 3, 2])  # slots of five rows; one with no adapter
     x = np.random.default_rng(0).standard_normal((len(rows), 3, h)).astype(np.float32)
-    got = lora_delta(x, down, up, slot_mask(rows, len(slots), 8))
+    got = np.asarray(lora_delta(jnp.asarray(x), jnp.asarray(down), jnp.asarray(up), jnp.asarray(rows, jnp.int32)))
     for row, slot in enumerate(rows):
         if slot < 0:
             np.testing.assert_array_equal(got[row], 0)
@@ -145,7 +148,7 @@ def test_the_model_with_adapters_matches_transformers_with_peft_row_by_row(tmp_p
     from test_model_parity import full_logits, load_ours
 
     from core.kv_cache import CacheSpec, init_cache
-    from core.lora import attach_slots, slot_mask
+    from core.lora import attach_slots
     from core.model import sequence_logits
 
     directory, _ = tiny_checkpoints[family]
@@ -160,8 +163,8 @@ def test_the_model_with_adapters_matches_transformers_with_peft_row_by_row(tmp_p
     cache = init_cache(cfg, CacheSpec(num_slots=3, max_len=ids.shape[1]))
     fn = jax.jit(lambda p, c, t, m: sequence_logits(p, c, t, jnp.zeros(3, jnp.int32), jnp.full(3, ids.shape[1],
                                                     jnp.int32), jnp.arange(3, dtype=jnp.int32), cfg=cfg,
-                                                    adapter_mask=m))
-    got, _ = fn(slotted, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(slot_mask(rows, 2, 8)))
+                                                    adapters=m))
+    got, _ = fn(slotted, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(rows, jnp.int32))
     got = np.asarray(got)
     for row, slot in enumerate(rows):
         if slot < 0:
