@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scheduler.request import QueueFullError
@@ -51,9 +52,10 @@ class Admission:
             self._passes[group] = max(self._passes.get(group, 0.0), min(active, default=0.0))
         self._queues.setdefault(group, deque()).append(seq)
 
-    def pick(self) -> Sequence | None:
-        """The next request to admit, or None when none waits."""
-        candidates = [g for g, q in self._queues.items() if q]
+    def pick(self, admissible: Callable[[Sequence], bool] = lambda seq: True) -> Sequence | None:
+        """The next request to admit, or None when none waits: the head of the group with the smallest pass
+        among those whose head is ``admissible`` (one whose adapter finds no free slot waits)."""
+        candidates = [g for g, q in self._queues.items() if q and admissible(q[0])]
         if not candidates:
             return None
         group = min(candidates, key=lambda g: (self._passes[g], g))

@@ -31,6 +31,7 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
         elif isinstance(op, RestoreFromHost):
             engine.restore_slot(op.slot, op.snapshot)
     for seq in plan.admitted:
+        engine.use_adapter(seq.slot, seq.adapter_slot)
         engine.begin_request(seq.slot, seq.request.sampling, list(seq.prompt), seq.seed,
                              dry_breakers=seq.dry.table.single if seq.dry is not None else None)
     if plan.rows:

@@ -18,6 +18,7 @@ from scheduler.speculation import speculation_allowed
 
 if TYPE_CHECKING:
     from core.engine import Engine
+    from scheduler.adapters import AdapterSlots
     from scheduler.admission import Admission
     from scheduler.kv_manager import KVCacheManager
 
@@ -60,10 +61,11 @@ class Planner:
     all computed yet (the scheduler's update step removes those that finish)."""
 
     def __init__(self, engine: Engine, kv: KVCacheManager, admission: Admission, prefill_budget: int,
-                 speculative: bool, times: StepTimes) -> None:
+                 speculative: bool, times: StepTimes, adapters: AdapterSlots) -> None:
         self.engine = engine
         self.kv = kv
         self.admission = admission
+        self.adapters = adapters
         self.prefill_budget = prefill_budget
         self.speculative = speculative
         self.times = times
@@ -75,9 +77,10 @@ class Planner:
             if seq.awaiting is not None:
                 self.kv.resolve(seq, plan.cache_ops)
         while self.kv.has_free_slot():
-            seq = self.admission.pick()
+            seq = self.admission.pick(lambda s: self.adapters.fits(s.request.adapter))
             if seq is None:
                 break
+            seq.adapter_slot = self.adapters.acquire(seq.request.adapter)
             self.kv.place(seq, plan.cache_ops)
             seq.admitted_at = time.perf_counter()
             plan.admitted.append(seq)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from core.lora import LoraAdapter
 from core.sampling import SamplingParams
 
 
@@ -68,6 +69,7 @@ class GenerationRequest:
     constraint: Any = None  # structured-output state (per slot); None: unconstrained
     # A constrained output near max_tokens closes along its grammar rather than being cut (budget_close).
     close_within_budget: bool = True
+    adapter: LoraAdapter | None = None  # the LoRA adapter the request runs under (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -33,6 +33,7 @@ import numpy as np
 from core.dry import BreakerTables, RepeatLimit
 from core.engine import Engine, SampleResult
 from core.tokenizer import Tokenizer
+from scheduler.adapters import AdapterSlots
 from scheduler.admission import Admission
 from scheduler.budget_close import BudgetClose
 from scheduler.executor import execute
@@ -112,9 +113,10 @@ class Scheduler:
             min_snapshot_tokens=self.config.min_snapshot_tokens, min_wait_tokens=self.config.min_wait_tokens))
         self.admission = Admission(self.config.max_waiting)
         self.times = StepTimes()
+        self.adapters = AdapterSlots(engine)
         self.planner = Planner(engine, self.kv, self.admission,
                                self.config.prefill_budget or max(engine.config.chunk_sizes),
-                               self.config.speculative, self.times)
+                               self.config.speculative, self.times, self.adapters)
         self.stats = SchedulerStats()
         self.iteration = 0
         self._inbox: queue.Queue[Sequence] = queue.Queue()
@@ -160,6 +162,8 @@ class Scheduler:
         vocab = self.engine.cfg.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if request.adapter is not None and not self.adapters.count:
+            raise ValueError("this server runs no LoRA adapters (engine.adapter_slots is 0)")
         handle = RequestHandle(request, loop)
         try:
             self.admission.reserve()
@@ -353,6 +357,9 @@ class Scheduler:
             self.kv.release(seq)
             if seq in self.planner.prefilling:
                 self.planner.prefilling.remove(seq)
+        if seq.adapter_slot is not None:
+            self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = None
         seq.state = SeqState.FINISHED
         self.stats.requests_finished += 1
         self.stats.cancelled += event.reason is FinishReason.CANCELLED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,6 +49,7 @@ class Sequence:
     accepted: int = 0  # of those, accepted
     budget: BudgetClose | None = None  # closing the document within max_tokens (constrained requests only)
     dry: RepeatLimit | None = None  # the DRY penalty's breaker limit over prompt + generated (DRY requests only)
+    adapter_slot: int | None = None  # the engine adapter slot it holds while admitted (`AdapterSlots`)
 
     def draft(self, max_tokens: int) -> list[int]:
         """Prompt-lookup draft for what follows prompt + generated (scheduler/speculation.py)."""
@@ -71,8 +73,11 @@ class Sequence:
         return self.request.group
 
     @property
-    def scope(self) -> tuple[str, str | None]:
-        return self.request.cache_scope
+    def scope(self) -> Hashable:
+        """The cache scope its KV is shared in: the request's, and under an adapter that adapter's (KV computed
+        under one adapter is never reused under another, or without one)."""
+        adapter = self.request.adapter
+        return self.request.cache_scope if adapter is None else (self.request.cache_scope, adapter.fingerprint)
 
     def next_boundary(self, after: int, min_piece: int) -> int:
         """Where the prefill chunk from `after` ends: the first message boundary with at least `min_piece`
