@@ -84,6 +84,8 @@ def load_agent_file(path: Path) -> AgentSpec:
     data.setdefault("name", path.stem)
     if data["name"] != path.stem:
         raise AgentConfigError(f"{path}: name {data['name']!r} must match the file name {path.stem!r}")
+    if isinstance(data.get("adapter"), str) and data["adapter"]:  # trusted like the file: relative to it
+        data["adapter"] = str(path.parent / Path(data["adapter"]).expanduser())
     try:
         return AgentSpec.model_validate(data)
     except ValidationError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agents.chat_template import DEFAULT_BUILTIN, ChatTemplate
@@ -58,6 +59,9 @@ class RuntimeOptions:
     # checked at the logits by tests/test_batched_verify.py wherever `make test` runs (docs/design-notes.md).
     batched_speculation: bool = True
     host_tier_bytes: int = SchedulerConfig.host_tier_bytes
+    # LoRA adapter slots compiled into every step (0: no adapter path) and the largest rank they hold.
+    adapter_slots: int = EngineConfig.adapter_slots
+    adapter_rank: int = EngineConfig.adapter_rank
     grammar_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout_s: float = COMPILE_TIMEOUT_S
     max_schema_bytes: int = MAX_SCHEMA_BYTES
@@ -99,6 +103,16 @@ class Runtime:
     def vocab_size(self) -> int:
         return self.engine.cfg.vocab_size
 
+    def adapter_reader(self) -> Callable[[Path], Any] | None:
+        """Reads and checks one PEFT adapter directory against this model (`core.lora.read_adapter` at the
+        engine's maximum rank); None where the engine has no adapter slots."""
+        from core.lora import read_adapter
+
+        engine = self.engine
+        if not engine.config.adapter_slots:
+            return None
+        return lambda directory: read_adapter(directory, engine.cfg, engine.config.adapter_rank)
+
     def start(self) -> None:
         if not self._started:
             self.scheduler.start()
@@ -123,6 +137,7 @@ class Runtime:
             "max_len": str(self.max_len),
             "kv_bytes_per_slot": str(self.engine.bytes_per_slot),
             "grammar_backend": self.compiler.backend,
+            "adapter_slots": str(self.engine.config.adapter_slots),
         }
 
 
@@ -209,7 +224,8 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
     engine = Engine(model.cfg, model.params,
                     EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
                                  chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
-                                 rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0),
+                                 rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
+                                 adapter_slots=options.adapter_slots, adapter_rank=options.adapter_rank),
                     model.dtype, program_store)
     if progress:
         progress("allocate the KV pool", detail=(

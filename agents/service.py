@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.adapters import AdapterLibrary
 from agents.chat_params import ChatParams, SessionCaller
 from agents.chat_template import PromptTooLongError, RenderedPrompt
 from agents.errors import InvalidRequestError, SessionBusyError, SessionNotFoundError
@@ -130,9 +131,12 @@ class ChatService:
         session_ttl: float | None = None,
         lease_s: float = LEASE_S,
         agent_in_store: Callable[[str], bool] = lambda name: False,
+        adapters: AdapterLibrary | None = None,
     ) -> None:
         self.runtime = runtime
         self.store = store
+        # The LoRA adapters agents name; an agent from the store names one through the adapter directories only.
+        self.adapters = adapters or AdapterLibrary(runtime.adapter_reader())
         # Whether an agent was created in the store (not a config file): its turns are stored only while it
         # still exists there, so deleting it mid-turn cannot resurrect its sessions.
         self.agent_in_store = agent_in_store
@@ -308,6 +312,10 @@ class ChatService:
         if spec is not None:
             compiled = await asyncio.wrap_future(self.runtime.compiler.compile_async(spec))
             constraint = self.runtime.compiler.matcher(compiled)
+        adapter = None
+        if agent.adapter is not None:
+            trusted = not self.agent_in_store(agent.name)  # an agent file is trusted like the config
+            adapter = await asyncio.to_thread(self.adapters.load, agent.adapter, trusted)
         room = generation_room(len(rendered.ids), self.runtime.max_len)
         wanted = p.max_tokens or agent.defaults.max_tokens or self.default_max_tokens
         max_tokens = min(wanted, room, self.max_tokens_limit or wanted)
@@ -331,6 +339,7 @@ class ChatService:
             boundaries=rendered.boundaries,
             want_logprobs=p.logprobs,
             constraint=constraint,
+            adapter=adapter,
         )
         handle = self.runtime.scheduler.submit(request, loop=asyncio.get_running_loop())
         return Generation(handle, agent, rendered, spec, p.session_id, new_messages,

@@ -92,6 +92,9 @@ class AgentSpec(BaseModel):
         "disabled", description="a conversation over the context: drop its oldest turns (auto) or refuse it (400)")
     priority: int = Field(1, ge=1)
     api_keys: list[ApiKey] = Field(default_factory=list)
+    # A PEFT LoRA adapter directory the agent's requests run under (agents.adapters: from a config file any
+    # path, relative to the file; over HTTP only inside the server's adapter directories). None: the base model.
+    adapter: str | None = Field(None, min_length=1, max_length=4096)
 
     @model_validator(mode="after")
     def _check_text(self) -> AgentSpec:

@@ -134,10 +134,10 @@ class Engine:
         self.config = config
         self.dtype = dtype
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
-        # Rows of an adapter run float products besides the int8 ones, whose bits batched verification is not
-        # proven to keep: no batched verify program where adapters may run.
+        # LoRA adapter products are float, but computed per row at one row count in decode and verify alike
+        # (`core.model.lora_delta`): they keep a verify row equal to its decode step (tests/test_batched_verify).
         self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
-                                  and all_matmuls_integer(params) and not config.adapter_slots)
+                                  and all_matmuls_integer(params))
         self.slot_adapters = np.full(config.num_slots, NO_ADAPTER, np.int32)  # each KV slot's adapter slot
         self.loaded_adapters: list[str | None] = [None] * config.adapter_slots  # each adapter slot's fingerprint
         self.cache = init_cache(cfg, self.spec)

@@ -286,15 +286,18 @@ def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Ar
 
 def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array) -> jax.Array:
     """What each row's LoRA adapter adds to a projection of x [B, T, in] -> [B, T, out]: down [S, R, in] holds
-    the slots' A matrices, up [S, out, R] their scaled B matrices (`core.lora.pack_slots`), rows [B] int32 each
-    row's slot (-1: none, which adds exactly zero). Per row, two `linear` products with that slot's matrices:
-    a row's terms are the same bits whatever the other rows' adapters and however many tokens share its call
-    (the float products are row-invariant: tests/test_exactness.py), so prefix reuse stays exact."""
-    deltas = []
-    for b in range(x.shape[0]):
-        slot = jnp.maximum(rows[b], 0)
-        deltas.append(linear(linear(x[b], down[slot]), up[slot]))
-    return jnp.where((rows >= 0)[:, None, None], jnp.stack(deltas), jnp.zeros((), up.dtype))
+    the slots' A matrices, up [out, S, R] their scaled B matrices (`core.lora.pack_slots`), rows [B] int32 each
+    row's slot (-1: none, which adds exactly zero). Every token is multiplied by every slot's A, the products
+    of other slots than its row's are zeroed, and the result by every slot's B: two `linear` products whose
+    shapes differ between calls only in their row count, which changes no row's bits (tests/test_exactness.py),
+    so a row's terms do not depend on the other rows' adapters, on how its prompt was chunked, or on decode vs
+    prefill (docs/lora.md says why not a per-row gather)."""
+    b, t, _ = x.shape
+    s, r, _ = down.shape
+    low = linear(x, down.reshape(s * r, -1)).reshape(b, t, s, r)  # every slot's product: [B, T, S, R]
+    mine = (jnp.arange(s)[None, :] == rows[:, None])[:, None, :, None]  # [B, 1, S, 1]; none for -1
+    low = jnp.where(mine, low, jnp.zeros((), low.dtype)).reshape(b, t, s * r)
+    return linear(low, up.reshape(up.shape[0], s * r))
 
 
 def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: Chunk | None) -> jax.Array:

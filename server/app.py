@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from agents.adapters import AdapterLibrary
 from agents.registry import AgentRegistry
 from agents.runtime import Runtime, build_runtime
 from agents.service import ChatService
@@ -40,6 +41,7 @@ from server.auth import Auth
 from server.config import ServerConfig
 from server.dashboard import router as dashboard_router
 from server.errors import NOT_READY_RETRY_AFTER_S, APIError, error_body, install_error_handlers, is_anthropic_path
+from server.lora_api import router as lora_router
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
 from server.responses_api import router as responses_router
@@ -191,7 +193,8 @@ def create_app(
         factory: RuntimeFactory = lambda progress: given  # noqa: E731
         own = bool(own_runtime)
     else:
-        factory = runtime_factory or (lambda progress: build_runtime(config.runtime_options(), progress))
+        factory = runtime_factory or (lambda progress: build_runtime(
+            config.runtime_options(adapters_in_files=any(a.adapter for a in state.registry.file_agents)), progress))
         own = True if own_runtime is None else own_runtime
     state = ServerState(config=config, factory=factory, own_runtime=own,
                         auth=Auth(config.auth.enabled, config.auth.admin_keys))
@@ -223,6 +226,7 @@ def create_app(
     app.include_router(responses_router)
     app.include_router(sessions_router)
     app.include_router(admin_router)
+    app.include_router(lora_router)
     app.include_router(dashboard_router)
     return app
 
@@ -254,7 +258,13 @@ def _load(state: ServerState) -> None:
             max_tokens_limit=limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens,
             lease_s=state.config.store.lease_s,
             agent_in_store=lambda name: registry is not None and not registry.is_file_agent(name),
+            adapters=AdapterLibrary(runtime.adapter_reader(), state.config.adapter_dirs()),
         )
+        if registry is not None:  # an agent file's adapter that does not load is a start-up error, as the file
+            progress("read the agents' LoRA adapters")
+            for agent in registry.file_agents:
+                if agent.adapter is not None:
+                    state.service.adapters.load(agent.adapter, trusted=True)
         state.runtime = runtime
         state.metrics.set_model_info({**runtime.info(), "dtype_reason": runtime.dtype_reason,
                                       "precision_reason": runtime.precision_reason,

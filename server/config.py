@@ -20,6 +20,7 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
 # The runtime's defaults (each stated once, by the part that owns it); the sections below take theirs from here.
 RUNTIME = RuntimeOptions()
+DEFAULT_ADAPTER_SLOTS = 8  # adapter slots when adapters are in use and the config does not say how many
 
 
 class _Section(BaseModel):
@@ -64,6 +65,22 @@ class GrammarSection(_Section):
     max_schema_bytes: int = Field(RUNTIME.max_schema_bytes, ge=1)
 
 
+class AdaptersSection(_Section):
+    """LoRA adapters on the resident model (docs/lora.md)."""
+
+    # Engine slots, compiled into every step. None: DEFAULT_ADAPTER_SLOTS when adapters can be named (dirs are
+    # given, or an agent file names one), else 0: no adapter path in any step.
+    slots: int | None = Field(None, ge=0, le=64)
+    max_rank: int = Field(RUNTIME.adapter_rank, ge=1, le=256)
+    dirs: list[str] = Field(default_factory=list)  # adapters named over HTTP must lie inside one; none: off
+    base_agent: str = "assistant"  # whose settings an adapter loaded through vLLM's route gets
+
+    def slot_count(self, named_in_files: bool) -> int:
+        if self.slots is not None:
+            return self.slots
+        return DEFAULT_ADAPTER_SLOTS if self.dirs or named_in_files else 0
+
+
 class AuthSection(_Section):
     enabled: bool = False
     admin_keys: list[str] = Field(default_factory=list)  # Bearer keys for /admin (and any agent)
@@ -101,6 +118,7 @@ class ServerConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     grammar: GrammarSection = Field(default_factory=GrammarSection)
+    adapters: AdaptersSection = Field(default_factory=AdaptersSection)
     auth: AuthSection = Field(default_factory=AuthSection)
     limits: LimitsSection = Field(default_factory=LimitsSection)
     store: StoreSection = Field(default_factory=StoreSection)
@@ -120,7 +138,12 @@ class ServerConfig(_Section):
         path = Path(self.agents_dir)
         return path if path.is_absolute() else REPO_ROOT / path
 
-    def runtime_options(self) -> RuntimeOptions:
+    def adapter_dirs(self) -> list[Path]:
+        """`adapters.dirs`, relative ones from the repository root."""
+        return [p if p.is_absolute() else REPO_ROOT / p for p in map(Path, self.adapters.dirs)]
+
+    def runtime_options(self, adapters_in_files: bool = False) -> RuntimeOptions:
+        """What `build_runtime` takes; ``adapters_in_files``: some agent file names an adapter."""
         m, s, g = self.model, self.scheduler, self.grammar
         return RuntimeOptions(
             model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, precision=m.precision, chat_template=m.chat_template,
@@ -131,6 +154,7 @@ class ServerConfig(_Section):
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
             batched_speculation=s.batched_speculation,
             host_tier_bytes=s.host_tier_bytes,
+            adapter_slots=self.adapters.slot_count(adapters_in_files), adapter_rank=self.adapters.max_rank,
             grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,
             max_schema_bytes=g.max_schema_bytes,
         )

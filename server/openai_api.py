@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import AsyncIterator
+from pathlib import PurePath
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -77,8 +78,11 @@ async def agent_completions(request: Request, agent: AgentName, body: Completion
 
 
 def model_card(agent: AgentSpec) -> dict[str, Any]:
-    return {"id": agent.name, "object": "model", "created": 0, "owned_by": "slotserve",
+    card = {"id": agent.name, "object": "model", "created": 0, "owned_by": "slotserve",
             "description": agent.description}
+    if agent.adapter is not None:  # as vLLM lists a LoRA module (the directory's name, not the server's path)
+        card["adapter"] = PurePath(agent.adapter).name
+    return card
 
 
 # ---- shared pieces -------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"slotserve: error: {e}", file=sys.stderr)
         return 2
+    config.adapters.dirs = [*config.adapters.dirs, *getattr(args, "adapter_dir", [])]
     srv = config.server
     configure_logging("debug" if args.verbose else srv.log_level, srv.log_json)
     warning = exposure_warning(srv.host, config.auth.enabled)

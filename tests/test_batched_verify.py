@@ -37,6 +37,7 @@ def verify_against_decode(engine: Engine, prompts: list[np.ndarray], rng: np.ran
     for slot, prompt in enumerate(prompts):
         engine.prefill(slot, prompt, 0)
     starts = np.array([len(p) for p in prompts], np.int32)
+    adapters = jnp.asarray(engine.slot_adapters)  # each slot's LoRA adapter slot (engines with adapter slots)
     verify = {}
     compared = 0
     for round_ in range(ROUNDS):
@@ -45,7 +46,8 @@ def verify_against_decode(engine: Engine, prompts: list[np.ndarray], rng: np.ran
         attend = engine.bucket_for(starts + n_valid - 1)
         if attend not in verify:
             verify[attend] = jax.jit(partial(verify_chunk, cfg=cfg, attend=attend, view_width=view_width))
-        rows, _ = verify[attend](engine.params, copied(engine.cache), tokens, starts, n_valid, None)
+        rows, _ = verify[attend](engine.params, copied(engine.cache), tokens, starts, n_valid, None,
+                                 adapters=adapters)
         rows = np.asarray(rows)
         cache = engine.cache
         for j in range(width):
@@ -53,7 +55,7 @@ def verify_against_decode(engine: Engine, prompts: list[np.ndarray], rng: np.ran
             at = engine.bucket_for(step)
             logits, cache = jax.jit(partial(decode_step, cfg=cfg, attend=at, view_width=view_width))(
                 engine.params, cache, tokens[np.arange(slots), np.minimum(j, n_valid - 1)], step,
-                jnp.ones(slots, bool))
+                jnp.ones(slots, bool), adapters=adapters)
             logits = np.asarray(logits)
             for s in np.flatnonzero(j < n_valid):
                 diff = np.abs(rows[s, j] - logits[s]).max()
@@ -64,9 +66,10 @@ def verify_against_decode(engine: Engine, prompts: list[np.ndarray], rng: np.ran
     return compared
 
 
-def exact_engine(cfg, params, slots: int, max_len: int, chunks: tuple[int, ...]) -> Engine:
+def exact_engine(cfg, params, slots: int, max_len: int, chunks: tuple[int, ...], adapter_slots: int = 0) -> Engine:
     config = EngineConfig(num_slots=slots, max_len=max_len, chunk_sizes=chunks, kv_dtype="int8",
-                          attention_buckets=(), verify_width=0, rows_verify_width=ROWS_VERIFY_WIDTH)
+                          attention_buckets=(), verify_width=0, rows_verify_width=ROWS_VERIFY_WIDTH,
+                          adapter_slots=adapter_slots, adapter_rank=8)
     return Engine(cfg, to_w8a8(params), config, "float32")
 
 
@@ -76,6 +79,24 @@ def test_batched_verify_rows_equal_decode_rows_bit_for_bit_on_tiny_models(family
     engine = exact_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
                           chunks=(4, 8, 16))
     rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (WINDOW + 3, 2, 2 * WINDOW + 1)]
+    assert verify_against_decode(engine, prompts, rng) >= 3 * ROUNDS
+
+
+@pytest.mark.parametrize("family", ("gemma3", "gemma4"))
+def test_batched_verify_rows_equal_decode_rows_under_lora_adapters(family, compile_cache):
+    """Slots under two different adapters and one under none: their float adapter products run at one row
+    count in a decode step and in a verify pass alike (`core.model.lora_delta`), so rows stay exact."""
+    from test_lora_engine import random_adapter
+
+    cfg = model_config(family)
+    engine = exact_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
+                          chunks=(4, 8, 16), adapter_slots=2)
+    engine.load_adapter(0, random_adapter(cfg, 8, seed=1))
+    engine.load_adapter(1, random_adapter(cfg, 5, seed=2))
+    for slot, index in enumerate((1, -1, 0)):
+        engine.use_adapter(slot, index)
+    rng = np.random.default_rng(6)
     prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (WINDOW + 3, 2, 2 * WINDOW + 1)]
     assert verify_against_decode(engine, prompts, rng) >= 3 * ROUNDS
 

