@@ -134,8 +134,8 @@ class Engine:
         self.config = config
         self.dtype = dtype
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
-        # LoRA adapter products are float, but computed per row at one row count in decode and verify alike
-        # (`core.model.lora_delta`): they keep a verify row equal to its decode step (tests/test_batched_verify).
+        # LoRA adapter products are float, but each slot's are one `linear` pair over the call's rows, whose bits
+        # do not depend on the row count (`core.model.lora_delta`; tests/test_batched_verify.py checks it).
         self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
                                   and all_matmuls_integer(params))
         self.slot_adapters = np.full(config.num_slots, NO_ADAPTER, np.int32)  # each KV slot's adapter slot

@@ -190,18 +190,18 @@ def _check_half(array: np.ndarray, half: str, weight_shape: tuple[int, ...], ran
 # ---- batched application: every row its own adapter slot, static shapes ----------------------------------------
 #
 # The adapters of S slots, each zero-padded to the maximum rank R, are stacked per projection into `down`
-# [S, R, in] (the A matrices) and `up` [out, S, R] (the B matrices, scale folded in). Each batch row names its
-# slot (-1: none); `core.model.lora_delta` multiplies by all slots and keeps the row's own, so a row's terms do
-# not depend on the other rows of its batch or on how many tokens share its call.
+# [S, R, in] (the A matrices) and `up` [S, out, R] (the B matrices, scale folded in). Each batch row names its
+# slot (-1: none); `core.model.lora_delta` applies each slot in use to the call's tokens and keeps each token's
+# own, so a row's terms do not depend on the other rows of its batch or on how many tokens share its call.
 
 
 def pack_slots(adapters: list[LoraAdapter | None], layer: int, target: str, in_dim: int, out_dim: int,
                max_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """(down [S, R, in], up [out, S, R]) float32 for projection ``target`` of ``layer``: slot s holds adapter s's
+    """(down [S, R, in], up [S, out, R]) float32 for projection ``target`` of ``layer``: slot s holds adapter s's
     pair (scale folded into up), zero-padded to ``max_rank``; a slot with no adapter, or whose adapter leaves
     this projection alone, is zeros."""
     down = np.zeros((len(adapters), max_rank, in_dim), np.float32)
-    up = np.zeros((out_dim, len(adapters), max_rank), np.float32)
+    up = np.zeros((len(adapters), out_dim, max_rank), np.float32)
     for s, adapter in enumerate(adapters):
         pair = None if adapter is None else adapter.pairs.get((layer, target))
         if pair is not None:
@@ -213,11 +213,11 @@ def write_pair(down: np.ndarray, up: np.ndarray, slot: int, scale: float, a: np.
                b: np.ndarray | None) -> None:
     """Put one adapter's pair (A [r, in], B [out, r]; None: zeros) into slot ``slot`` of stacked arrays."""
     down[slot] = 0
-    up[:, slot] = 0
+    up[slot] = 0
     if a is not None and b is not None:
         rank = a.shape[0]
         down[slot, :rank] = a
-        up[:, slot, :rank] = scale * b
+        up[slot, :, :rank] = scale * b
 
 
 def adapted_projections(cfg: ModelConfig) -> dict[tuple[int, str], tuple[int, int]]:

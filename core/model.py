@@ -286,18 +286,24 @@ def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Ar
 
 def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array) -> jax.Array:
     """What each row's LoRA adapter adds to a projection of x [B, T, in] -> [B, T, out]: down [S, R, in] holds
-    the slots' A matrices, up [out, S, R] their scaled B matrices (`core.lora.pack_slots`), rows [B] int32 each
-    row's slot (-1: none, which adds exactly zero). Every token is multiplied by every slot's A, the products
-    of other slots than its row's are zeroed, and the result by every slot's B: two `linear` products whose
-    shapes differ between calls only in their row count, which changes no row's bits (tests/test_exactness.py),
-    so a row's terms do not depend on the other rows' adapters, on how its prompt was chunked, or on decode vs
-    prefill (docs/lora.md says why not a per-row gather)."""
+    the slots' A matrices, up [S, out, R] their scaled B matrices (`core.lora.pack_slots`), rows [B] int32 each
+    row's slot (-1: none; the caller keeps such rows as they were). A token's terms are always one `linear` pair
+    with its own slot's matrices: over the one row's tokens in a single-row call, over all the call's tokens per
+    slot some row uses otherwise (each token keeping its own slot's). The pairs differ between calls only in
+    their row count, which changes no row's bits (tests/test_exactness.py), so a row's terms do not depend on
+    the other rows' adapters, on how its prompt was chunked, or on decode vs prefill (docs/lora.md)."""
     b, t, _ = x.shape
-    s, r, _ = down.shape
-    low = linear(x, down.reshape(s * r, -1)).reshape(b, t, s, r)  # every slot's product: [B, T, S, R]
-    mine = (jnp.arange(s)[None, :] == rows[:, None])[:, None, :, None]  # [B, 1, S, 1]; none for -1
-    low = jnp.where(mine, low, jnp.zeros((), low.dtype)).reshape(b, t, s * r)
-    return linear(low, up.reshape(up.shape[0], s * r))
+    if b == 1:  # one slot's tokens (a prefill chunk, a lone verify pass): its own matrices
+        slot = jnp.maximum(rows[0], 0)
+        return linear(linear(x[0], down[slot]), up[slot])[None]
+    flat = x.reshape(b * t, -1)
+    owner = jnp.repeat(rows, t)  # [B*T] each token's slot
+    zeros = total = jnp.zeros((b * t, up.shape[1]), up.dtype)
+    for slot in range(down.shape[0]):  # every slot some row uses: its matrices over all tokens, kept for its rows
+        part = jax.lax.cond(jnp.any(rows == slot), lambda k=slot: linear(linear(flat, down[k]), up[k]),
+                            lambda: zeros)
+        total = jnp.where((owner == slot)[:, None], part, total)
+    return total.reshape(b, t, -1)
 
 
 def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: Chunk | None) -> jax.Array:
@@ -305,7 +311,13 @@ def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: 
     if chunk is None or chunk.adapters is None or target not in lp.get("lora", {}):
         return y
     down, up = lp["lora"][target]
-    return y + lora_delta(x.astype(down.dtype), down, up, chunk.adapters).astype(y.dtype)
+    rows = chunk.adapters
+
+    def with_terms() -> jax.Array:  # a row without an adapter keeps y's own bits (not y + 0.0: -0.0 stays)
+        delta = lora_delta(x.astype(down.dtype), down, up, rows).astype(y.dtype)
+        return jnp.where((rows >= 0)[:, None, None], y + delta, y)
+
+    return jax.lax.cond(jnp.any(rows >= 0), with_terms, lambda: y)  # no adapted row: no products at all
 
 
 def project_qkv(x: jax.Array, lp: dict[str, Any], layer: Any, num_heads: int, chunk: Chunk | None = None

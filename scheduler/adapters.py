@@ -24,6 +24,7 @@ class AdapterSlots:
         self._last_used = [0] * count  # a tick per acquire, for least-recently-used eviction
         self._tick = 0
         self.loads = 0  # adapters written into a slot (a reuse of a loaded one is not a load)
+        self._names: dict[str, str] = {}  # fingerprint -> the adapter's directory name, for people
 
     @property
     def count(self) -> int:
@@ -38,6 +39,7 @@ class AdapterSlots:
         the caller checked `fits`. Pair with `release`."""
         if adapter is None:
             return NO_ADAPTER
+        self._names[adapter.fingerprint] = adapter.path.name
         self._tick += 1
         if adapter.fingerprint in self._held:
             index = self._held.index(adapter.fingerprint)
@@ -61,6 +63,15 @@ class AdapterSlots:
         for index, held in enumerate(self._held):
             if held == fingerprint and self._users[index] == 0:
                 self.engine.load_adapter(index, None)
+
+    def host_bytes(self, by_scope: dict[object, int]) -> dict[str, int]:
+        """Host-tier bytes per adapter name ("" for KV under no adapter), from `HostTier.bytes_by_scope`
+        (`Sequence.scope` puts an adapter's fingerprint last in its scope)."""
+        out: dict[str, int] = {}
+        for scope, nbytes in by_scope.items():
+            name = self._names.get(scope[-1], "") if isinstance(scope, tuple) and scope else ""
+            out[name] = out.get(name, 0) + nbytes
+        return out
 
     def snapshot(self) -> list[dict[str, object]]:
         """Per slot: the fingerprint it holds (None: empty) and how many running requests use it."""

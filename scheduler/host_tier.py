@@ -179,6 +179,19 @@ class HostTier:
                 "budget_bytes": self._budget,
             }
 
+    def bytes_by_scope(self) -> dict[Hashable, int]:
+        """Bytes held per cache scope (what the dashboard breaks the tier down by)."""
+        with self._lock:
+            out = {}
+            for scope, root in self._roots.items():
+                total, stack = 0, [root]
+                while stack:
+                    node = stack.pop()
+                    total += node.nbytes
+                    stack.extend(node.children.values())
+                out[scope] = total
+            return out
+
     # ---- the tree (callers hold the lock) --------------------------------------------------------
     def _walk(self, scope: Hashable, key: Key) -> tuple[list[tuple[_Node, int]], int]:
         """The nodes along key's path with the tokens matched in each (the last may be partial), and the total."""

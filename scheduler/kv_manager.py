@@ -62,6 +62,7 @@ class KVCacheManager:
         target.tokens = target.tokens[:self._shared(target, seq)]
         target.scope, target.affinity = seq.scope, seq.request.affinity
         target.group, target.label = seq.group, seq.request.label
+        target.adapter = seq.adapter_name
         target.sequence = seq
         target.last_used = time.perf_counter()
         seq.slot = target.index

@@ -73,6 +73,12 @@ class Sequence:
         return self.request.group
 
     @property
+    def adapter_name(self) -> str | None:
+        """Its adapter's directory name, for people (None: the base model)."""
+        adapter = self.request.adapter
+        return None if adapter is None else adapter.path.name
+
+    @property
     def scope(self) -> Hashable:
         """The cache scope its KV is shared in: the request's, and under an adapter that adapter's (KV computed
         under one adapter is never reused under another, or without one)."""

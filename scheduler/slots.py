@@ -21,6 +21,7 @@ class Slot:
     affinity: str | None = None  # the affinity key of the request whose conversation the slot holds
     group: str | None = None  # that request's group and label (what the dashboard shows)
     label: str | None = None
+    adapter: str | None = None  # the name of the LoRA adapter its KV was computed under
     sequence: Sequence | None = None  # the running sequence, if busy
     last_used: float = 0.0
 

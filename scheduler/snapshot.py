@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from scheduler.sequence import SeqState
 
 if TYPE_CHECKING:
+    from scheduler.adapters import AdapterSlots
     from scheduler.host_tier import HostTier
     from scheduler.plan import StepPlan
     from scheduler.slots import Slot
@@ -40,6 +41,9 @@ class SnapshotSource(Protocol):
     def host(self) -> HostTier: ...
 
     @property
+    def adapters(self) -> AdapterSlots: ...
+
+    @property
     def step_seconds(self) -> dict[str, float | None]: ...
 
     def waiting_by_group(self) -> dict[str, int]: ...
@@ -59,6 +63,7 @@ class SlotView:
     group: str | None  # GenerationRequest.group
     label: str | None  # GenerationRequest.label
     held: int  # positions whose KV the slot holds
+    adapter: str | None = None  # the LoRA adapter its KV is computed under (its directory's name)
     request: int | None = None  # the running sequence's id (scheduler-local)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -100,7 +105,7 @@ def take_snapshot(sched: SnapshotSource, plan: StepPlan | None, history: tuple =
     for slot in sched.slots:
         seq = slot.sequence
         if seq is None:
-            views.append(SlotView(slot.index, "idle", slot.group, slot.label, len(slot.tokens)))
+            views.append(SlotView(slot.index, "idle", slot.group, slot.label, len(slot.tokens), slot.adapter))
             continue
         n = len(seq.generated)
         if seq.state is SeqState.PREFILLING:
@@ -109,14 +114,15 @@ def take_snapshot(sched: SnapshotSource, plan: StepPlan | None, history: tuple =
             state = "verifying" if seq.id in verifying else "decoding"
         rate = (n - 1) / max(now - seq.first_token_at, 1e-9) if seq.first_token_at is not None and n > 1 else 0.0
         views.append(SlotView(
-            slot.index, state, seq.group, seq.request.label, len(slot.tokens), request=seq.id,
+            slot.index, state, seq.group, seq.request.label, len(slot.tokens), seq.adapter_name, request=seq.id,
             prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
             computed_tokens=max(0, seq.cursor - seq.cached_tokens), prefill_done=seq.cursor, generated=n,
             max_tokens=seq.max_tokens, tokens_per_s=round(rate, 2), running_s=round(now - seq.arrival, 3)))
     steps = sched.step_seconds
     return SchedulerSnapshot(
         taken_at=time.time(), iteration=sched.iteration, slots=tuple(views), waiting=sched.waiting_by_group(),
-        counters=counters if counters is not None else sched.counter_values(), host=sched.host.stats(),
+        counters=counters if counters is not None else sched.counter_values(),
+        host={**sched.host.stats(), "by_adapter": sched.adapters.host_bytes(sched.host.bytes_by_scope())},
         decode_step_s=steps.get("decode"),
         verify_rows_step_s=steps.get("verify_rows"), history=history)
 

@@ -109,7 +109,8 @@ def slots_document(state: ServerState) -> dict[str, Any]:
         host_tier={"bytes_used": data["host"]["bytes_used"], "budget_bytes": data["host"]["budget_bytes"],
                    "nodes": data["host"]["nodes"], "hits": data["host"]["hits"],
                    "evictions": data["host"]["evictions"], "restores": counters["host_restores"],
-                   "saves": counters["host_saves"]},
+                   "saves": counters["host_saves"],
+                   "by_adapter": {name: n for name, n in data["host"]["by_adapter"].items() if name}},
         prefix_cache={"prompt_tokens": counters["prompt_tokens"], "cached_tokens": counters["cached_tokens"],
                       "hit_ratio": round(counters["cached_tokens"] / counters["prompt_tokens"], 4)
                       if counters["prompt_tokens"] else None,
@@ -242,9 +243,11 @@ function slotCard(s, maxLen) {
   if (s.state === "idle") {
     pairs.push(["holds", s.held + " tokens" + (s.agent ? " of " + s.agent : "")]);
     if (s.session) pairs.push(["session", s.session]);
+    if (s.adapter) pairs.push(["adapter", s.adapter]);
     c.append(bar([[s.held, v("--idle")]], maxLen));
   } else {
     pairs.push(["agent", s.agent], ["session", s.session || "-"]);
+    if (s.adapter) pairs.push(["adapter", s.adapter]);
     if (s.state === "prefilling" || s.state === "waiting") {
       c.append(bar([[s.cached_tokens, v("--verify")], [s.computed_tokens, v("--prefill")]], s.prompt_tokens));
       pairs.push(["prefill", s.prefill_done + " / " + s.prompt_tokens + " (" +
@@ -289,7 +292,8 @@ function render(d) {
     const r = el("tr"); r.dataset.agent = a; r.append(el("td", "", a), el("td", "", String(n))); w.append(r); }
   const h = d.host_tier;
   if (h) kv($("host"), [["bytes", fmtBytes(h.bytes_used) + " / " + fmtBytes(h.budget_bytes)], ["runs", h.nodes],
-    ["hits", h.hits], ["restores", h.restores], ["saves", h.saves], ["evictions", h.evictions]]);
+    ["hits", h.hits], ["restores", h.restores], ["saves", h.saves], ["evictions", h.evictions],
+    ...Object.entries(h.by_adapter || {}).map(([a, n]) => ["adapter " + a, fmtBytes(n)])]);
   const c = d.prefix_cache, pct = (r) => r === null || r === undefined ? "-" : (100 * r).toFixed(1) + "%";
   if (c) kv($("cache"), [["hit ratio", pct(c.hit_ratio)], ["last minute", pct(c.hit_ratio_last_minute)],
     ["prompt tokens", c.prompt_tokens], ["cached tokens", c.cached_tokens], ["slot reuses", c.slot_reuses],

@@ -85,8 +85,9 @@ def test_batched_verify_rows_equal_decode_rows_bit_for_bit_on_tiny_models(family
 
 @pytest.mark.parametrize("family", ("gemma3", "gemma4"))
 def test_batched_verify_rows_equal_decode_rows_under_lora_adapters(family, compile_cache):
-    """Slots under two different adapters and one under none: their float adapter products run at one row
-    count in a decode step and in a verify pass alike (`core.model.lora_delta`), so rows stay exact."""
+    """Slots under two different adapters and one under none: each slot's float adapter products are one
+    `linear` pair over the call's rows in a decode step and a verify pass alike (`core.model.lora_delta`),
+    whose rows do not depend on the row count, so verify rows stay exact."""
     from test_lora_engine import random_adapter
 
     cfg = model_config(family)

@@ -15,6 +15,7 @@ import pytest
 from test_server_crash import ServerProcess
 from test_server_helpers import LiveServer, server_config, tiny_runtime, wait_until
 
+from scheduler.adapters import AdapterSlots
 from scheduler.plan import StepPlan, StepRow
 from scheduler.request import GenerationRequest, RequestHandle
 from scheduler.sequence import SeqState, Sequence
@@ -61,9 +62,12 @@ def test_snapshot_states_agents_sessions_and_progress():
              Slot(2, list(range(41)), ("beta", None), "beta:s-3", sequence=verifying),
              Slot(3, list(range(7)), ("gamma", None), "gamma:old", group="gamma", label="old")]
     host = SimpleNamespace(stats=lambda: {"hits": 2, "evictions": 0, "stored_positions": 9, "bytes_used": 1024,
-                                          "nodes": 1, "budget_bytes": 4096})
+                                          "nodes": 1, "budget_bytes": 4096},
+                           bytes_by_scope=lambda: {("gamma", None): 1024})
     # The narrow view a snapshot reads (snapshot.SnapshotSource), not a scheduler.
     sched = SimpleNamespace(slots=slots, host=host, step_seconds={"decode": 0.01}, iteration=7,
+                            adapters=AdapterSlots(SimpleNamespace(config=SimpleNamespace(adapter_slots=0),
+                                                                  loaded_adapters=[])),
                             waiting_by_group=lambda: {"alpha": 2},
                             counter_values=lambda: {"prompt_tokens": 80, "cached_tokens": 16, "host_restores": 1})
     plan = StepPlan(verify=StepRow(verifying, [9, 1, 2], 41))
@@ -77,6 +81,7 @@ def test_snapshot_states_agents_sessions_and_progress():
     assert (views[2].state, views[2].label) == ("verifying", "s-3")
     assert (views[3].state, views[3].group, views[3].label, views[3].held) == ("idle", "gamma", "old", 7)
     assert snap.waiting == {"alpha": 2} and snap.host["bytes_used"] == 1024 and snap.decode_step_s == 0.01
+    assert snap.host["by_adapter"] == {"": 1024}  # KV under no adapter
     assert snap.counters == {"prompt_tokens": 80, "cached_tokens": 16, "host_restores": 1}
     doc = snap.as_dict()
     json.dumps(doc)  # plain data all the way down

@@ -205,3 +205,32 @@ def test_a_request_naming_an_adapter_is_refused_where_the_engine_has_no_slots(to
                    "float32")
     with pytest.raises(ValueError, match="no LoRA adapters"):
         Scheduler(plain, tokenizer, stop_ids=frozenset()).submit(greedy([5, 6], adapters[0]))
+
+
+def test_adapter_slots_are_paged_least_recently_used_and_never_evicted_while_held():
+    """Three adapters on two slots: a held slot is never given away (`fits` says wait); an idle one is
+    reused for another adapter, the least recently used first; the host tier's bytes are told by adapter."""
+    from types import SimpleNamespace
+
+    from scheduler.adapters import AdapterSlots
+
+    loaded: list = [None, None]
+    engine = SimpleNamespace(config=SimpleNamespace(adapter_slots=2), loaded_adapters=loaded)
+    engine.load_adapter = lambda index, adapter: loaded.__setitem__(
+        index, None if adapter is None else adapter.fingerprint)
+    cfg = tiny("gemma3")
+    a, b, c = (random_adapter(cfg, 2, seed=s) for s in (31, 32, 33))
+    slots = AdapterSlots(engine)
+    ia, ib = slots.acquire(a), slots.acquire(b)
+    assert {ia, ib} == {0, 1} and slots.fits(a) and not slots.fits(c)
+    slots.release(ia)
+    assert slots.fits(c) and slots.acquire(c) == ia and slots.loads == 3  # a's idle slot goes to c
+    assert slots.acquire(b) == ib and slots.loads == 3  # b is still loaded: shared, no load
+    slots.release(ib)
+    slots.release(ib)
+    slots.release(ia)
+    assert slots.acquire(a) == ia  # c was acquired before b's second use: its slot goes first
+    assert slots.acquire(None) == NO_ADAPTER
+    scope = (("agent", None), a.fingerprint)
+    assert slots.host_bytes({scope: 10, ("agent", None): 5, (("x", None), c.fingerprint): 1}) == \
+        {a.path.name: 10, "": 5, c.path.name: 1}
