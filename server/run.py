@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from server.config import ConfigError, load_config
+from server.config import ConfigError, ServerConfig, load_config
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -14,6 +14,14 @@ def config_overrides(args: argparse.Namespace) -> dict[str, object]:
              "model.name": getattr(args, "model", None), "model.precision": getattr(args, "precision", None),
              "model.kv_dtype": getattr(args, "kv_dtype", None)}
     return {key: value for key, value in flags.items() if value is not None and value != ""}
+
+
+def serve_config(args: argparse.Namespace) -> ServerConfig:
+    """The config `serve` runs with: the file, its flags' overrides, and each --adapter-dir added to
+    adapters.dirs (ConfigError when invalid)."""
+    config = load_config(args.config, config_overrides(args))
+    config.adapters.dirs = [*config.adapters.dirs, *getattr(args, "adapter_dir", [])]
+    return config
 
 
 def exposure_warning(host: str, auth_enabled: bool) -> str | None:
@@ -29,13 +37,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from server.app import configure_logging, create_app
 
-    overrides = config_overrides(args)
     try:
-        config = load_config(args.config, overrides)
+        config = serve_config(args)
     except ConfigError as e:
         print(f"slotserve: error: {e}", file=sys.stderr)
         return 2
-    config.adapters.dirs = [*config.adapters.dirs, *getattr(args, "adapter_dir", [])]
     srv = config.server
     configure_logging("debug" if args.verbose else srv.log_level, srv.log_json)
     warning = exposure_warning(srv.host, config.auth.enabled)

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from test_server_helpers import LiveServer, build_tiny_runtime, server_config
+from test_server_helpers import LiveServer, build_tiny_runtime, server_config, wait_until
 
 from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGETS, adapted_projections
 from server.app import create_app
@@ -84,6 +84,12 @@ def test_vllm_routes_load_list_serve_and_unload_an_adapter(server):
     assert {"id": "calm", "adapter": "calm"}.items() <= next(m for m in models if m["id"] == "calm").items()
     adapted = chat(server, "calm")
     assert adapted != base  # the adapter changes the greedy output
+
+    def dashboard_shows_it() -> bool:  # the slot that served it, and the snapshot's host-tier breakdown
+        doc = httpx.get(f"{server.url}/admin/slots", headers=ADMIN, timeout=10).json()
+        return any(slot.get("adapter") == "calm" and slot["agent"] == "calm" for slot in doc["slots"])
+
+    wait_until(dashboard_shows_it, timeout=10)
     assert chat(server, "calm") == adapted and chat(server, "assistant") == base  # and each is reproducible
     assert post(server, "/v1/load_lora_adapter", {"lora_name": "calm", "lora_path": "loud"}).status_code == 409
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "calm"})
@@ -192,3 +198,17 @@ def test_an_agent_file_names_its_adapter_relative_to_itself_and_is_trusted(tmp_p
     assert library.load(spec.adapter, trusted=True).rank == 4
     with pytest.raises(InvalidRequestError, match="not inside"):
         library.load(spec.adapter, trusted=False)
+
+
+def test_serve_adds_each_adapter_dir_flag_to_the_configs_directories(tmp_path):
+    from server.cli import build_parser
+    from server.run import serve_config
+
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("adapters:\n  dirs: [/srv/adapters]\n")
+    args = build_parser().parse_args(["serve", "--config", str(config_file), "--adapter-dir", "/a",
+                                      "--adapter-dir", "/b"])
+    config = serve_config(args)
+    assert config.adapters.dirs == ["/srv/adapters", "/a", "/b"]
+    assert config.runtime_options().adapter_slots == 8  # adapters can be named: slots by default
+    assert serve_config(build_parser().parse_args(["serve"])).runtime_options().adapter_slots == 0
