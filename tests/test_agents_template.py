@@ -524,7 +524,7 @@ def test_truncation_auto_drops_the_fewest_oldest_turns_and_keeps_system_and_last
     from agents.service import ChatService
     from agents.spec import AgentSpec
 
-    service = ChatService(SimpleNamespace(template=builtin, max_len=10_000), store=None)
+    service = ChatService(SimpleNamespace(template=builtin, max_len=10_000, adapter_reader=lambda: None), store=None)
     agent = AgentSpec(name="a", system_prompt="Be brief.", context_limit=60)
     turns = []
     for i in range(8):

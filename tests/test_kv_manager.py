@@ -185,7 +185,8 @@ def test_a_scheduler_plan_computes_a_shared_new_system_prompt_once():
 
     engine = SimpleNamespace(num_slots=4, row_chunk=4, max_len=512, rows_verify_exact=False,
                              cfg=SimpleNamespace(vocab_size=100_000),
-                             config=SimpleNamespace(chunk_sizes=(4, 16), verify_tokens=0),
+                             config=SimpleNamespace(chunk_sizes=(4, 16), verify_tokens=0, adapter_slots=0),
+                             loaded_adapters=[],
                              compiled_for=lambda kind, positions: True)
     sched = Scheduler(engine, tokenizer=SimpleNamespace(detokenizer=lambda skip_special: None),
                       config=SchedulerConfig(prefill_budget=16), stop_ids=frozenset())
