@@ -2,7 +2,9 @@
 """What LoRA adapter slots cost the engine (issue #31, docs/lora.md): decode step and prefill on the default
 model without adapter slots, with slots but no row using one, with 8 rows each under its own rank-16 adapter
 on all seven projections, and with 8 rows sharing one; the device bytes per adapter slot; the time to load one
-adapter into a slot (the engine call the admin API ends in).
+adapter into a slot (the engine call the admin API ends in); and through HTTP (`slotserve serve` with an
+adapter directory): vLLM's load route per adapter, and the first request of each new adapter agent (its slot
+load included) against its second.
 
     python3 benchmarks/lora.py                      # the packaged Gemma 3 270M, CPU serving defaults
 
@@ -24,7 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import default_gguf, dist_ms, git_commit, host, log, save_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_server,
+    default_gguf,
+    dist_ms,
+    free_port,
+    git_commit,
+    host,
+    log,
+    save_report,
+    wait_healthy,
+)
 
 RANK = 16
 
@@ -59,6 +71,58 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return model, engines
 
 
+def write_peft_adapter(directory: Path, cfg: Any, seed: int) -> None:
+    """A random rank-RANK adapter in PEFT's file layout (adapter_config.json + adapter_model.safetensors)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGETS
+
+    adapter = random_adapter(cfg, seed)
+    tensors = {}
+    for (layer, target), (a, b) in adapter.pairs.items():
+        prefix = f"base_model.model.model.layers.{layer}.{TARGETS[target]}.{target}"
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS))
+    (directory / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK,
+                                                        "target_modules": sorted(TARGETS)}))
+
+
+def http_phase(cfg: Any, count: int) -> dict[str, Any]:
+    """`slotserve serve` with an adapter directory of ``count`` adapters: each loaded through vLLM's route,
+    then two greedy one-token requests to each new agent (the first loads its adapter into a slot)."""
+    import tempfile
+
+    import httpx
+
+    root = Path(tempfile.mkdtemp())
+    for i in range(count):
+        write_peft_adapter(root / f"a{i}", cfg, seed=100 + i)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with bench_server(ROOT, port, max_tokens=8, model_settings=f"adapters:\n  dirs: [{root}]\n") as proc:
+        wait_healthy(url, proc, None, "/ready", timeout=1800, every_program=True)
+        route, first, second = [], [], []
+        body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 1, "temperature": 0}
+        for i in range(count):
+            begin = time.perf_counter()
+            r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": f"a{i}", "lora_path": f"a{i}"},
+                           timeout=300)
+            route.append(time.perf_counter() - begin)
+            r.raise_for_status()
+        for i in range(count):
+            for times in (first, second):
+                begin = time.perf_counter()
+                httpx.post(f"{url}/v1/chat/completions", json={**body, "model": f"a{i}"},
+                           timeout=300).raise_for_status()
+                times.append(time.perf_counter() - begin)
+    return {"load_route_ms": dist_ms(route), "first_request_ms": dist_ms(first), "second_request_ms": dist_ms(second),
+            "notes": "load route: read and check the adapter, store the agent; the engine slot is written at the "
+                     "agent's first request (first minus second request is that load and its first programs)"}
+
+
 def decode_ms(engine: Any, position: int, steps: int) -> list[float]:
     import jax
     import numpy as np
@@ -89,6 +153,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size timed")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=4, help="decode steps per configuration per round")
+    p.add_argument("--http-adapters", type=int, default=8, help="adapters loaded through HTTP (0: no HTTP phase)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -134,7 +199,13 @@ def main() -> None:
         "notes": "decode: 8 slots active, engine.decode only (no sampler), context ~600; prefill: one chunk into "
                  "slot 0 under slot 0's adapter; rounds alternate the configurations",
     }
-    save_report(args.out or ROOT / "benchmarks" / "results" / "lora-cpu.json", report)
+    out = args.out or ROOT / "benchmarks" / "results" / "lora-cpu.json"
+    save_report(out, report, echo=False)
+    if args.http_adapters:
+        del engines, slots  # the server is another process: give it the memory
+        log("through HTTP: slotserve serve with an adapter directory")
+        report["http"] = http_phase(model.cfg, args.http_adapters)
+    save_report(out, report)
 
 
 if __name__ == "__main__":

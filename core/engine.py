@@ -357,14 +357,14 @@ class Engine:
     def _prefill_rows(self, pieces: list[tuple[int, np.ndarray, int]], attend: int | None = None) -> jax.Array:
         tokens = np.zeros((self.num_slots, self.row_chunk), np.int32)
         ints = np.zeros((3, self.num_slots), np.int32)  # [start, n, adapter] per slot
-        ints[2] = self.slot_adapters
+        ints[2] = NO_ADAPTER  # rows not listed compute nothing: no adapter products for them either
         for slot, piece, start in pieces:
             piece = np.asarray(piece, np.int32)
             if not 1 <= len(piece) <= self.row_chunk or ints[1, slot]:
                 raise ValueError(f"slot {slot}: 1..{self.row_chunk} tokens once per call, got {len(piece)}")
             self._check_positions(start, len(piece))
             tokens[slot, :len(piece)] = piece
-            ints[0, slot], ints[1, slot] = start, len(piece)
+            ints[0, slot], ints[1, slot], ints[2, slot] = start, len(piece), self.slot_adapters[slot]
         listed = ints[1] > 0
         attend = attend or self.bucket_for(ints[0][listed] + ints[1][listed] - 1)
         logits, self.cache = self.programs["prefill_rows", attend](self.params, self.cache, tokens, ints)
@@ -444,7 +444,7 @@ class Engine:
                      attend: int) -> tuple[np.ndarray, np.ndarray]:
         padded = np.zeros((self.num_slots, self.config.rows_verify_width), np.int32)
         padded[:, :tokens.shape[1]] = tokens
-        ints = np.stack([starts, counts, self.slot_adapters]).astype(np.int32)
+        ints = np.stack([starts, counts, np.where(counts > 0, self.slot_adapters, NO_ADAPTER)]).astype(np.int32)
         greedy, accepted, self.cache = self.programs["verify_rows", attend](self.params, self.cache, padded, ints)
         return jax.device_get((greedy, accepted))
 
@@ -565,9 +565,9 @@ def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int):
 def _decode_inputs(tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
                    adapters: np.ndarray) -> np.ndarray:
     """The int32 [4, S] a decode step takes: each slot's token, position, whether it is active and its adapter
-    slot."""
+    slot (none for an idle slot: a step of unadapted rows computes no adapter products)."""
     return np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(active, np.int32),
-                     np.asarray(adapters, np.int32)])
+                     np.where(np.asarray(active, bool), adapters, NO_ADAPTER).astype(np.int32)])
 
 
 def _fused_kind(needs_full: bool) -> str:

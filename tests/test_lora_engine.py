@@ -234,3 +234,12 @@ def test_adapter_slots_are_paged_least_recently_used_and_never_evicted_while_hel
     scope = (("agent", None), a.fingerprint)
     assert slots.host_bytes({scope: 10, ("agent", None): 5, (("x", None), c.fingerprint): 1}) == \
         {a.path.name: 10, "": 5, c.path.name: 1}
+
+
+def test_an_idle_slot_brings_no_adapter_into_a_step():
+    """A slot whose last request ran under an adapter keeps that adapter slot, but an idle row of a decode step
+    names none: a step of unadapted active rows then skips the adapter products."""
+    from core.engine import _decode_inputs
+
+    packed = _decode_inputs(np.zeros(3), np.zeros(3), np.array([True, False, True]), np.array([1, 0, NO_ADAPTER]))
+    assert packed[3].tolist() == [1, NO_ADAPTER, NO_ADAPTER]
