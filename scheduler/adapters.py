@@ -30,6 +30,11 @@ class AdapterSlots:
     def count(self) -> int:
         return len(self._held)
 
+    @property
+    def seen(self) -> bool:
+        """Whether any request has run under an adapter (before that, no KV is an adapter's)."""
+        return bool(self._names)
+
     def fits(self, adapter: LoraAdapter | None) -> bool:
         """Whether a request with ``adapter`` can be admitted now (None always can)."""
         return adapter is None or adapter.fingerprint in self._held or 0 in self._users

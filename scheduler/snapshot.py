@@ -122,7 +122,9 @@ def take_snapshot(sched: SnapshotSource, plan: StepPlan | None, history: tuple =
     return SchedulerSnapshot(
         taken_at=time.time(), iteration=sched.iteration, slots=tuple(views), waiting=sched.waiting_by_group(),
         counters=counters if counters is not None else sched.counter_values(),
-        host={**sched.host.stats(), "by_adapter": sched.adapters.host_bytes(sched.host.bytes_by_scope())},
+        # The breakdown walks the host tier's trees: only once some request has run under an adapter.
+        host={**sched.host.stats(), "by_adapter": sched.adapters.host_bytes(sched.host.bytes_by_scope())
+              if sched.adapters.seen else {}},
         decode_step_s=steps.get("decode"),
         verify_rows_step_s=steps.get("verify_rows"), history=history)
 

@@ -81,7 +81,7 @@ def test_snapshot_states_agents_sessions_and_progress():
     assert (views[2].state, views[2].label) == ("verifying", "s-3")
     assert (views[3].state, views[3].group, views[3].label, views[3].held) == ("idle", "gamma", "old", 7)
     assert snap.waiting == {"alpha": 2} and snap.host["bytes_used"] == 1024 and snap.decode_step_s == 0.01
-    assert snap.host["by_adapter"] == {"": 1024}  # KV under no adapter
+    assert snap.host["by_adapter"] == {}  # no request ran under an adapter: the tier is not walked
     assert snap.counters == {"prompt_tokens": 80, "cached_tokens": 16, "host_restores": 1}
     doc = snap.as_dict()
     json.dumps(doc)  # plain data all the way down

@@ -221,7 +221,9 @@ def test_adapter_slots_are_paged_least_recently_used_and_never_evicted_while_hel
     cfg = tiny("gemma3")
     a, b, c = (random_adapter(cfg, 2, seed=s) for s in (31, 32, 33))
     slots = AdapterSlots(engine)
+    assert not slots.seen
     ia, ib = slots.acquire(a), slots.acquire(b)
+    assert slots.seen
     assert {ia, ib} == {0, 1} and slots.fits(a) and not slots.fits(c)
     slots.release(ia)
     assert slots.fits(c) and slots.acquire(c) == ia and slots.loads == 3  # a's idle slot goes to c
