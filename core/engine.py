@@ -8,6 +8,8 @@ cache, and every shape is compiled in `warmup()` (`core.programs`), never per re
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
 from core.lora import LoraAdapter, attach_slots, with_adapter
 from core.model import decode_step, prefill_chunk, verify_chunk
-from core.program_store import ProgramStore
+from core.program_store import ProgramStore, environment_fingerprint
 from core.programs import Program, ProgramKey, ProgramTable, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
 from core.weights import all_matmuls_integer
@@ -120,6 +122,13 @@ class SlotSnapshot:
     def nbytes(self) -> int:
         return sum(a.nbytes for entry in self.layers.values() for a in entry.values())
 
+    def suffix(self, start: int) -> SlotSnapshot:
+        """Positions [start, end) of this snapshot (views, not copies)."""
+        if not self.start <= start <= self.end:
+            raise ValueError(f"position {start} is outside [{self.start}, {self.end}]")
+        cut = start - self.start
+        return SlotSnapshot(start, self.end, {k: {n: a[cut:] for n, a in e.items()} for k, e in self.layers.items()})
+
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: dict[str, Any], config: EngineConfig, dtype: str,
@@ -141,6 +150,8 @@ class Engine:
         self.slot_adapters = np.full(config.num_slots, NO_ADAPTER, np.int32)  # each KV slot's adapter slot
         self.loaded_adapters: list[str | None] = [None] * config.adapter_slots  # each adapter slot's fingerprint
         self.cache = init_cache(cfg, self.spec)
+        self.weights_identity: str | None = None  # set by a loader that knows the checkpoint (kv_identity)
+        self._kv_identity: str | None = None
         self.buckets = config.bucket_lengths()
         self.fused_sampling = config.fused_sampling
         # Decode and both verify steps read the sliding layers through one view length, so their rows
@@ -162,6 +173,18 @@ class Engine:
     @property
     def bytes_per_slot(self) -> int:
         return cache_bytes_per_slot(self.cfg, self.spec)
+
+    def kv_identity(self) -> str:
+        """What a slot's KV depends on besides its tokens and adapter: the model's config and weights, the
+        compute dtype, the KV layout and dtype, and the `core` sources and versions that compute it. KV kept
+        beyond this process (the disk tier) is reused only under an equal identity. The weights are named by
+        ``weights_identity`` where the loader set one (the checkpoint's hash and the precision), else hashed."""
+        if self._kv_identity is None:
+            weights = self.weights_identity or _params_digest(self.params)
+            text = json.dumps({"model": repr(self.cfg), "weights": weights, "dtype": self.dtype,
+                               "kv": [self.spec.dtype, self.spec.max_len], "env": environment_fingerprint()})
+            self._kv_identity = hashlib.sha256(text.encode()).hexdigest()
+        return self._kv_identity
 
     # ---- LoRA adapter slots ------------------------------------------------------------------------------
     def load_adapter(self, index: int, adapter: LoraAdapter | None) -> None:
@@ -657,3 +680,17 @@ def _copy_prefix(cache, ints, *, size: int):
             idx = jnp.arange(size).reshape((1, size) + (1,) * (arr.ndim - 2))
             out[key][name] = jax.lax.dynamic_update_slice(arr, jnp.where(idx < n, source, target), (dst, 0, *zeros))
     return out
+
+
+def _params_digest(params: Any) -> str:
+    """SHA-256 over every parameter's path, dtype, shape and bytes (adapter slots left out: the adapter is
+    part of the cache scope)."""
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = jax.tree_util.keystr(path)
+        if "lora" in name:
+            continue
+        array = np.asarray(leaf)
+        digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()

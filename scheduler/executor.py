@@ -15,10 +15,12 @@ import numpy as np
 
 from core.engine import Engine, SampleResult
 from core.sampling import batch_needs_full
+from scheduler.disk_tier import DiskTier
 from scheduler.grammar import fill_masks
 from scheduler.host_tier import HostTier
 from scheduler.plan import CopyPrefix, RestoreFromHost, SaveToHost, StepOutcome, StepPlan
 from scheduler.sequence import Sequence
+from scheduler.slots import Slot
 
 
 def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
@@ -55,6 +57,13 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
         for row in plan.verify_rows:
             out.verified[row.seq.id] = tokens[row.seq.slot]
     return out
+
+
+def persist_slot(engine: Engine, disk: DiskTier, slot: Slot) -> int:
+    """Queue what the disk tier lacks of a slot's KV (at a message boundary). Only the copy off the device
+    runs here; the files are written on the disk tier's thread. Returns the files queued."""
+    tokens = tuple(slot.tokens)
+    return disk.store_missing(slot.scope, tokens, lambda start: engine.save_slot(slot.index, start, len(tokens)))
 
 
 def mask_buffer(engine: Engine, rows: int) -> np.ndarray:

@@ -192,6 +192,25 @@ class HostTier:
                 out[scope] = total
             return out
 
+    def conversations(self) -> list[tuple[Hashable, Key, SlotSnapshot]]:
+        """Every stored conversation (a leaf's path from its root): scope, tokens and the KV of all of them
+        (what a shutdown writes to the disk tier)."""
+        with self._lock:
+            scopes = {id(root): scope for scope, root in self._roots.items()}
+            out = []
+            for leaf in self._leaves:
+                scope = scopes[id(self._root_of(leaf))]
+                path, node = [], leaf
+                while node.parent is not None:
+                    path.append(node)
+                    node = node.parent
+                path.reverse()
+                tokens = tuple(t for n in path for t in n.label)
+                layers = {k: {name: np.concatenate([n.kv[k][name] for n in path]) for name in entry}
+                          for k, entry in path[0].kv.items()}
+                out.append((scope, tokens, SlotSnapshot(start=0, end=len(tokens), layers=layers)))
+            return out
+
     # ---- the tree (callers hold the lock) --------------------------------------------------------
     def _walk(self, scope: Hashable, key: Key) -> tuple[list[tuple[_Node, int]], int]:
         """The nodes along key's path with the tokens matched in each (the last may be partial), and the total."""
@@ -209,6 +228,11 @@ class HostTier:
                 break
             node = child
         return path, i
+
+    def _root_of(self, node: _Node) -> _Node:
+        while node.parent is not None:
+            node = node.parent
+        return node
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut node's edge after `at` tokens (0 < at < len(label)); returns the new upper node."""

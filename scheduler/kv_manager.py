@@ -1,4 +1,4 @@
-"""The KV-cache manager: owns the slot table and the host tier, and makes every reuse decision.
+"""The KV-cache manager: owns the slot table, the host tier and the disk tier, and makes every reuse decision.
 
 A slot's KV at position p is a pure function of tokens 0..p (core.kv_cache), so a request can start from
 the longest prefix of its prompt that any slot of its cache scope holds (in place, or copied on the device),
@@ -8,7 +8,8 @@ or that the host tier holds (restored), however far that slot has moved on since
    prefix of the prompt (nothing is lost), else the least recently used free slot;
 2. what the chosen slot holds beyond the shared prefix is saved to the host tier first (it may be another
    conversation's), unless the host already holds it;
-3. the prefix comes from the best source: the slot itself, another slot (device copy), the host (restore);
+3. the prefix comes from the best source: the slot itself, another slot (device copy), the host (restore),
+   the disk (read, then restored like a host run; the host is preferred when it holds as much);
 4. in-flight sharing: if another request of the scope is still prefilling a longer common prefix, the new
    one waits for it and copies it then (`resolve`), instead of computing it a second time.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from scheduler.disk_tier import DiskTier
 from scheduler.host_tier import HostTier
 from scheduler.plan import CacheOp, CopyPrefix, RestoreFromHost, SaveToHost
 from scheduler.sequence import SeqState, Sequence
@@ -40,15 +42,18 @@ class ReuseStats:
     slot_reuses: int = 0  # prefixes served in place
     device_copies: int = 0
     host_restores: int = 0
+    disk_restores: int = 0
     host_saves: int = 0
     in_flight_waits: int = 0  # requests that waited for another's prefill instead of computing it
 
 
 class KVCacheManager:
-    def __init__(self, num_slots: int, config: CacheConfig | None = None) -> None:
+    def __init__(self, num_slots: int, config: CacheConfig | None = None, disk: DiskTier | None = None) -> None:
+        """``disk``: the disk tier below the host tier (None: none)."""
         self.config = config or CacheConfig()
         self.slots = [Slot(i) for i in range(num_slots)]
         self.host = HostTier(self.config.host_tier_bytes)
+        self.disk = disk if self.config.prefix_caching else None
         self.stats = ReuseStats()
 
     # ---- placement -------------------------------------------------------------------------------
@@ -115,15 +120,22 @@ class KVCacheManager:
             self.stats.host_saves += 1
 
     def _load_prefix(self, target: Slot, seq: Sequence, ops: list[CacheOp]) -> None:
-        """Bring the longest cached prefix of the prompt into the target slot: in place, copied, or restored."""
+        """Bring the longest cached prefix of the prompt into the target slot: in place, copied, restored from
+        the host, or read from disk."""
         own = self._shared(target, seq)
         donors = [s for s in self.slots if s is not target]
         donor = max(donors, key=lambda s: self._shared(s, seq), default=None)
         copied = self._shared(donor, seq) if donor is not None else 0
-        restored = 0
-        if self.config.prefix_caching:
-            restored = min(self.host.match(seq.scope, seq.prompt), len(seq.prompt) - 1)
+        restored = self._on_host(seq)
         n = max(own, copied, restored)
+        on_disk = self._on_disk(seq)
+        if on_disk > n:
+            snapshot = self.disk.fetch(seq.scope, seq.prompt, own, on_disk)
+            if snapshot is not None:  # else a file was damaged or went: the other sources still serve
+                ops.append(RestoreFromHost(target.index, snapshot))
+                self.stats.disk_restores += 1
+                self._loaded(target, seq, on_disk)
+                return
         if n == own:
             self.stats.slot_reuses += n > 0
         elif n == copied:
@@ -132,8 +144,22 @@ class KVCacheManager:
         else:
             ops.append(RestoreFromHost(target.index, self.host.fetch(seq.scope, seq.prompt, own, n)))
             self.stats.host_restores += 1
+        self._loaded(target, seq, n)
+
+    @staticmethod
+    def _loaded(target: Slot, seq: Sequence, n: int) -> None:
         target.tokens = list(seq.prompt[:n])
         seq.cursor = seq.cached_tokens = n
+
+    def _on_host(self, seq: Sequence) -> int:
+        if not self.config.prefix_caching:
+            return 0
+        return min(self.host.match(seq.scope, seq.prompt), len(seq.prompt) - 1)
+
+    def _on_disk(self, seq: Sequence) -> int:
+        if self.disk is None:
+            return 0
+        return min(self.disk.match(seq.scope, seq.prompt), len(seq.prompt) - 1)
 
     def _in_flight_donor(self, seq: Sequence) -> tuple[Sequence, int] | None:
         """A sequence still prefilling a longer common prefix than any cache holds now, and that length."""
@@ -155,9 +181,7 @@ class KVCacheManager:
     def _available(self, seq: Sequence) -> int:
         """The longest prefix a slot other than the sequence's own, or the host, could serve right now."""
         copied = max((self._shared(s, seq) for s in self.slots if s.index != seq.slot), default=0)
-        restored = min(self.host.match(seq.scope, seq.prompt), len(seq.prompt) - 1) \
-            if self.config.prefix_caching else 0
-        return max(copied, restored)
+        return max(copied, self._on_host(seq), self._on_disk(seq))
 
     # ---- what slots hold ---------------------------------------------------------------------------
     def extend(self, slot: int, tokens: list[int] | tuple[int, ...]) -> None:

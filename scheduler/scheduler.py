@@ -24,6 +24,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,7 +37,8 @@ from core.tokenizer import Tokenizer
 from scheduler.adapters import AdapterSlots
 from scheduler.admission import Admission
 from scheduler.budget_close import BudgetClose
-from scheduler.executor import execute
+from scheduler.disk_tier import DiskTier
+from scheduler.executor import execute, persist_slot
 from scheduler.host_tier import HostTier
 from scheduler.kv_manager import CacheConfig, KVCacheManager
 from scheduler.output import accept, finish_event
@@ -75,6 +77,12 @@ class SchedulerConfig:
     # batched verify step (engine.verify_rows, where the engine has that program and its products are exact)
     # when their drafts promise more tokens per second than a decode step.
     speculative: bool = True
+    # The disk tier under the host tier (scheduler/disk_tier.py): a directory, or None for none. Each finished
+    # request's KV is queued for it, and a stop writes what the slots and the host tier hold, waiting at most
+    # disk_tier_flush_s for the files.
+    disk_tier_dir: str | None = None
+    disk_tier_bytes: int = 16 * 2**30
+    disk_tier_flush_s: float = 10.0
 
 
 @dataclass
@@ -108,9 +116,12 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.config = config or SchedulerConfig()
         self.stop_ids = stop_ids if stop_ids is not None else frozenset(tokenizer.stop_ids)
+        self.disk = (DiskTier(self.config.disk_tier_dir, self.config.disk_tier_bytes, engine.kv_identity())
+                     if self.config.disk_tier_dir and self.config.prefix_caching else None)
         self.kv = KVCacheManager(engine.num_slots, CacheConfig(
             prefix_caching=self.config.prefix_caching, host_tier_bytes=self.config.host_tier_bytes,
-            min_snapshot_tokens=self.config.min_snapshot_tokens, min_wait_tokens=self.config.min_wait_tokens))
+            min_snapshot_tokens=self.config.min_snapshot_tokens, min_wait_tokens=self.config.min_wait_tokens),
+            self.disk)
         self.admission = Admission(self.config.max_waiting)
         self.times = StepTimes()
         self.adapters = AdapterSlots(engine)
@@ -354,6 +365,8 @@ class Scheduler:
         self.stats.budget_closed += event.budget_closed
         self._emit(seq, event)
         if seq.slot is not None:
+            if self.disk is not None:
+                persist_slot(self.engine, self.disk, self.kv.slots[seq.slot])
             self.kv.release(seq)
             if seq in self.planner.prefilling:
                 self.planner.prefilling.remove(seq)
@@ -377,3 +390,19 @@ class Scheduler:
         outbox, self._outbox = self._outbox, {}
         for handle, events in outbox.items():
             handle._deliver(events)
+        if self.disk is not None and self.failure is None:
+            self._persist_all()
+
+    def _persist_all(self) -> None:
+        """Write what the slots and the host tier hold to the disk tier (what the disk lacks of it), within
+        disk_tier_flush_s."""
+        deadline = time.monotonic() + self.config.disk_tier_flush_s
+        for slot in self.slots:
+            if time.monotonic() < deadline:
+                persist_slot(self.engine, self.disk, slot)
+        for scope, tokens, snapshot in self.kv.host.conversations():
+            if time.monotonic() < deadline:
+                self.disk.store_missing(scope, tokens, snapshot.suffix)
+        if not self.disk.flush(max(0.0, deadline - time.monotonic())):
+            log.warning("disk KV tier: not every file was written within %.1f s", self.config.disk_tier_flush_s)
+        self.disk.close(0.0)

@@ -1,0 +1,279 @@
+"""The disk tier of the prefix cache (scheduler/disk_tier.py): KV that outlives the scheduler and is shared
+through a directory. Every path that serves KV from disk gives exactly the tokens and logprobs of a cold run
+(both model families and the CPU serving default, W8A8 + int8 KV); damaged, truncated and foreign files are
+deleted and recomputed, never served; the byte budget evicts the least recently used files; two processes
+writing the same entries and a reader racing them stay consistent; a full disk loses entries, not requests."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.config import ModelConfig
+from core.engine import Engine, EngineConfig, SlotSnapshot
+from core.weights import random_params, to_w8a8
+from scheduler.disk_tier import BLOCK, SUFFIX, DiskTier, chain_next, chain_start
+from scheduler_helpers import VOCAB, cold_logprobs, ids, make, request, run_all, token_logprobs
+from tiny_models import CONFIGS
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS = 4
+SYSTEM = ids(1, 2 * BLOCK + 9)  # two full blocks and a tail
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma3-w8a8-int8kv"])
+def engine(request, compile_cache):
+    family, _, variant = request.param.partition("-")
+    cfg = ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=11)
+    kv_dtype = None
+    if variant:
+        params, kv_dtype = to_w8a8(params), "int8"
+    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=512, chunk_sizes=(16, 64), kv_dtype=kv_dtype),
+                 "float32")
+    eng.warmup()
+    return eng
+
+
+def restarted(engine, tokenizer, directory: Path, **config):
+    """A new scheduler on the same engine: it knows nothing of what the device slots hold, as after a
+    restart; only the directory carries KV over."""
+    return make(engine, tokenizer, disk_tier_dir=str(directory), **config)
+
+
+def run_logprobs(sched, req):
+    handle = sched.submit(req)
+    sched.run_until_idle()
+    return token_logprobs(handle)
+
+
+def test_a_restarted_scheduler_continues_a_conversation_from_disk(engine, tokenizer, tmp_path):
+    first = request(SYSTEM + ids(2, 20), max_tokens=8, affinity="s")
+    before = restarted(engine, tokenizer, tmp_path)
+    out1 = run_all(before, [first])[0][0]
+    assert before.disk.flush(10) and before.disk.stats()["writes"] >= 3
+    second = request(first.prompt_ids + tuple(out1) + ids(3, 7), max_tokens=8, affinity="s")
+
+    after = restarted(engine, tokenizer, tmp_path)
+    pairs, fin = run_logprobs(after, second)
+    held = len(first.prompt_ids) + len(out1) - 1  # the last sampled token's KV was never computed
+    assert after.kv.stats.disk_restores == 1 and fin.usage.cached_tokens == held
+    assert after.stats.prefill_tokens == len(second.prompt_ids) - held
+    assert pairs == cold_logprobs(engine, tokenizer, second)
+
+
+def test_a_stop_writes_what_slots_and_the_host_tier_hold(engine, tokenizer, tmp_path):
+    """A conversation pushed out to the host tier and one still in a slot are both on disk after stop()."""
+    sched = restarted(engine, tokenizer, tmp_path, disk_tier_flush_s=30.0)
+    sched.disk.store_missing = lambda *a, **k: 0  # nothing reaches the disk before the stop ...
+    evicted = request(SYSTEM + ids(4, 30), affinity="a")
+    said = run_all(sched, [evicted])[0][0]
+    others = [request(ids(100 + i, BLOCK + 3), affinity=f"o{i}", cache_scope="other") for i in range(SLOTS)]
+    said_by_other = run_all(sched, others)[1][0]
+    assert sched.kv.stats.host_saves >= 1
+    del sched.disk.store_missing  # ... but the stop writes everything
+    sched.start()
+    sched.stop()
+    assert not any(tmp_path.glob(".*.tmp"))
+    after = restarted(engine, tokenizer, tmp_path)
+    for first, out in ((evicted, said), (others[1], said_by_other)):  # from the host tier, from a slot
+        later = request(first.prompt_ids + tuple(out) + ids(5, 4), cache_scope=first.cache_scope)
+        pairs, fin = run_logprobs(after, later)
+        assert fin.usage.cached_tokens == len(first.prompt_ids) + len(out) - 1
+        assert pairs == cold_logprobs(engine, tokenizer, later)
+    assert after.kv.stats.disk_restores == 2
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_damaged_truncated_or_foreign_files_are_deleted_and_recomputed(engine, tokenizer, tmp_path, damage):
+    req = request(SYSTEM + ids(7, 5))
+    sched = restarted(engine, tokenizer, tmp_path)
+    run_all(sched, [req])
+    sched.disk.flush(10)
+    victim = second_block(tmp_path, engine.kv_identity(), req.prompt_ids)  # the first block still serves
+    data = victim.read_bytes()
+    if damage == "flip":
+        victim.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:  # a whole, valid file of another engine identity under this entry's name
+        foreign = DiskTier(tmp_path / "foreign", 2**30, "another-model")
+        foreign.store(None, req.prompt_ids, snapshot(req.prompt_ids))
+        foreign.flush(10)
+        victim.write_bytes(second_block(tmp_path / "foreign", "another-model", req.prompt_ids).read_bytes())
+    again = request(req.prompt_ids + ids(8, 3))
+    after = restarted(engine, tokenizer, tmp_path)
+    pairs, fin = run_logprobs(after, again)
+    assert after.disk.stats()["damaged"] == 1
+    assert fin.usage.cached_tokens == 0  # nothing restored past a bad file: the whole prompt recomputed
+    assert pairs == cold_logprobs(engine, tokenizer, again)
+    assert after.disk.flush(10) and victim.exists()  # written again from the recomputed KV, whole this time
+    assert after.disk.fetch(None, again.prompt_ids, 0, 2 * BLOCK) is not None
+
+
+def second_block(directory: Path, identity: str, tokens, scope=None) -> Path:
+    """The file of positions [BLOCK, 2 * BLOCK) of ``tokens`` (a request without a cache scope)."""
+    first = chain_next(chain_start(identity, scope), tokens[:BLOCK])
+    return directory / f"{chain_next(first, tokens[BLOCK:2 * BLOCK]).hex()}{SUFFIX}"
+
+
+def test_files_are_private_to_the_owner(engine, tokenizer, tmp_path):
+    directory = tmp_path / "kv"
+    sched = restarted(engine, tokenizer, directory)
+    run_all(sched, [request(SYSTEM)])
+    sched.disk.flush(10)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    files = list(directory.glob(f"*{SUFFIX}"))
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+
+
+# ---- the tier alone: synthetic KV -----------------------------------------------------------------
+
+def snapshot(tokens, start: int = 0, seed: int = 0) -> SlotSnapshot:
+    """KV stand-ins: position p's values are a function of (seed, p), int8 and float32 like a real layer."""
+    n = len(tokens) - start
+    positions = np.arange(start, len(tokens))
+    k = ((positions[:, None] * 7 + seed) % 251 - 125).astype(np.int8) * np.ones((1, 16), np.int8)
+    s = (positions[:, None] * 0.5 + seed).astype(np.float32) * np.ones((1, 2), np.float32)
+    assert k.shape[0] == n
+    return SlotSnapshot(start, len(tokens), {"layer0": {"k": k, "k_scale": s}})
+
+
+def cut(snap: SlotSnapshot, lo: int, hi: int) -> SlotSnapshot:
+    return SlotSnapshot(lo, hi, {k: {n: a[lo - snap.start:hi - snap.start] for n, a in e.items()}
+                                 for k, e in snap.layers.items()})
+
+
+def assert_same(a: SlotSnapshot, b: SlotSnapshot) -> None:
+    assert (a.start, a.end) == (b.start, b.end)
+    for key, entry in a.layers.items():
+        for name, array in entry.items():
+            np.testing.assert_array_equal(array, b.layers[key][name])
+
+
+def test_lookups_serve_any_prefix_and_the_tail(tmp_path):
+    tier = DiskTier(tmp_path, 2**30, "m")
+    tokens = ids(20, 3 * BLOCK + 10)
+    assert tier.store_missing("s", tokens, lambda start: snapshot(tokens, start)) == 4
+    tier.flush(10)
+    assert tier.match("s", tokens) == len(tokens)
+    assert tier.match("s", tokens + (5, 6)) == len(tokens)
+    assert tier.match("s", tokens[:BLOCK + 3] + (1,)) == BLOCK  # diverges inside a block: the blocks before it
+    assert tier.match("other scope", tokens) == 0
+    assert DiskTier(tmp_path, 2**30, "another model").match("s", tokens) == 0
+    assert_same(tier.fetch("s", tokens, 10, len(tokens) - 1), cut(snapshot(tokens), 10, len(tokens) - 1))
+    # A longer conversation stores only what the disk lacks: its new blocks and a new tail.
+    longer = tokens + ids(21, BLOCK)
+    asked = []
+    tier.store_missing("s", longer, lambda start: asked.append(start) or snapshot(longer, start))
+    tier.flush(10)
+    assert asked == [3 * BLOCK] and tier.match("s", longer) == len(longer)
+    assert_same(tier.fetch("s", longer, 0, len(longer)), snapshot(longer))
+
+
+def test_the_byte_budget_evicts_the_least_recently_used(tmp_path):
+    conversations = [ids(30 + i, BLOCK) for i in range(5)]
+    probe = DiskTier(tmp_path / "probe", 2**30, "m")
+    probe.store_missing("s", conversations[0], lambda start: snapshot(conversations[0], start))
+    probe.flush(10)
+    size = probe.stats()["bytes_used"]
+    budget = 3 * size + size // 2  # three files (their headers' token lists differ a little in length)
+    tier = DiskTier(tmp_path / "kv", budget, "m")
+    for tokens in conversations[:3]:
+        tier.store_missing("s", tokens, lambda start, t=tokens: snapshot(t, start))
+        tier.flush(10)
+        time.sleep(0.02)  # distinct mtimes
+    assert tier.fetch("s", conversations[0], 0, BLOCK) is not None  # read: now the most recent
+    time.sleep(0.02)
+    for tokens in conversations[3:]:
+        tier.store_missing("s", tokens, lambda start, t=tokens: snapshot(t, start))
+        tier.flush(10)
+        time.sleep(0.02)
+    held = [tier.match("s", t) == BLOCK for t in conversations]
+    assert held == [True, False, False, True, True]
+    assert tier.stats()["evictions"] == 2 and tier.stats()["bytes_used"] <= budget
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+    from test_disk_tier import snapshot, assert_same, cut
+    from scheduler_helpers import ids
+    from scheduler.disk_tier import DiskTier, BLOCK
+    tier = DiskTier(sys.argv[2], 2**30, "m")
+    tokens = ids(40, 4 * BLOCK + 5)
+    reader = sys.argv[3] == "read"
+    served = 0
+    for round in range(40):
+        if reader:
+            got = tier.fetch("s", tokens, 0, tier.match("s", tokens)) if tier.match("s", tokens) else None
+            if got is not None:
+                assert_same(got, cut(snapshot(tokens), 0, got.end))
+                served += 1
+        else:
+            tier.store("s", tokens, snapshot(tokens))
+            tier.flush(10)
+    stats = tier.stats()
+    assert stats["damaged"] == 0 and stats["write_errors"] == 0, stats
+    print(served)
+""")
+
+
+def test_two_writers_and_a_reader_share_a_directory(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(ROOT), str(tmp_path), role],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for role in ("write", "write", "read")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    tier = DiskTier(tmp_path, 2**30, "m")
+    tokens = ids(40, 4 * BLOCK + 5)
+    assert_same(tier.fetch("s", tokens, 0, len(tokens)), snapshot(tokens))
+    assert not list(tmp_path.glob(".*.tmp")) and len(list(tmp_path.glob(f"*{SUFFIX}"))) == 5
+
+
+FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+    from test_disk_tier import snapshot
+    from scheduler_helpers import ids
+    from scheduler.disk_tier import DiskTier, BLOCK
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like ENOSPC
+    tier = DiskTier(sys.argv[2], 2**30, "m")
+    small = ids(50, BLOCK)
+    tier.store_missing("s", small, lambda start: snapshot(small, start))
+    tier.flush(10)
+    size = tier.stats()["bytes_used"]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+    big = ids(51, 2 * BLOCK)
+    tier.store_missing("s", big, lambda start: snapshot(big, start))
+    assert tier.flush(10)
+    stats = tier.stats()
+    assert stats["write_errors"] == 2 and tier.match("s", big) == 0, stats
+    assert tier.fetch("s", small, 0, BLOCK) is not None
+    print("ok")
+""")
+
+
+def test_a_full_disk_loses_entries_not_requests(tmp_path):
+    run = subprocess.run([sys.executable, "-c", FULL_DISK, str(ROOT), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_killed_writers_temporary_files_are_cleared_once_stale(tmp_path):
+    fresh, stale = tmp_path / ".a.kv.1.2.tmp", tmp_path / ".b.kv.1.2.tmp"
+    fresh.write_bytes(b"x")
+    stale.write_bytes(b"x")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    DiskTier(tmp_path, 2**30, "m")
+    assert fresh.exists() and not stale.exists()
