@@ -8,6 +8,7 @@ does the same from an engine and tokenizer you built yourself (tests, embedding)
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,10 @@ class RuntimeOptions:
     # checked at the logits by tests/test_batched_verify.py wherever `make test` runs (docs/design-notes.md).
     batched_speculation: bool = True
     host_tier_bytes: int = SchedulerConfig.host_tier_bytes
+    # The disk tier's directory: None for the default (`disk_tier_dir`), "off" for none.
+    disk_tier_dir: str | None = None
+    disk_tier_bytes: int = SchedulerConfig.disk_tier_bytes
+    disk_tier_flush_s: float = SchedulerConfig.disk_tier_flush_s
     # LoRA adapter slots compiled into every step (0: no adapter path) and the largest rank they hold.
     adapter_slots: int = EngineConfig.adapter_slots
     adapter_rank: int = EngineConfig.adapter_rank
@@ -174,6 +179,9 @@ def assemble_runtime(
             prefix_caching=options.prefix_caching,
             speculative=options.speculative,
             host_tier_bytes=options.host_tier_bytes,
+            disk_tier_dir=disk_tier_dir(options.disk_tier_dir),
+            disk_tier_bytes=options.disk_tier_bytes,
+            disk_tier_flush_s=options.disk_tier_flush_s,
         ),
         stop_ids=compiler.stop_ids,
     )
@@ -184,6 +192,20 @@ def assemble_runtime(
         kv_dtype_reason=kv_dtype_reason, load_seconds=load_seconds, compile_seconds=engine.compile_seconds,
         weights_from_cache=weights_from_cache,
     )
+
+
+DISK_TIER_ENV = "SLOTSERVE_KV_DISK_DIR"
+
+
+def disk_tier_dir(option: str | None) -> str | None:
+    """The disk tier's directory for an option: "off" none; a path itself; None ``$SLOTSERVE_KV_DISK_DIR``
+    ("off" or a path) if set, else ``kv`` under the cache directory (shared by every replica of this user)."""
+    from core.device import default_cache_dir
+
+    choice = option or os.environ.get(DISK_TIER_ENV)
+    if choice == "off":
+        return None
+    return str(Path(choice).expanduser()) if choice else str(default_cache_dir() / "kv")
 
 
 def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *,
@@ -227,6 +249,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
                                  rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
                                  adapter_slots=options.adapter_slots, adapter_rank=options.adapter_rank),
                     model.dtype, program_store)
+    engine.weights_identity = model.weights_identity
     if progress:
         progress("allocate the KV pool", detail=(
             f"{engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: {kv_reason}), "

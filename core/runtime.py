@@ -35,6 +35,7 @@ class LoadedModel:
     precision: str = "float"
     precision_reason: str = ""
     weights_from_cache: bool = False  # the prepared weights were read back from the weights cache
+    weights_identity: str | None = None  # the checkpoint's hash and how it was prepared (None: not computed)
     _tokenizer: Tokenizer | None = field(default=None, repr=False)
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -71,19 +72,20 @@ def load_model(
     precision, precision_reason = choose_precision(precision)
     log.info("weight precision %s (%s)", precision, precision_reason)
     policy = WeightPolicy(dtype=chosen, precision=precision)
-    params, cached = _prepared_params(source, cfg, policy, progress, weights_cache)
+    params, cached, identity = _prepared_params(source, cfg, policy, progress, weights_cache)
     return LoadedModel(
         name=str(model), path=source.path, cfg=cfg, params=params,
         dtype=chosen, dtype_reason=reason, load_seconds=time.perf_counter() - begin,
-        precision=precision, precision_reason=precision_reason, weights_from_cache=cached,
+        precision=precision, precision_reason=precision_reason, weights_from_cache=cached, weights_identity=identity,
     )
 
 
 def _prepared_params(source: CheckpointSource, cfg: ModelConfig, policy: WeightPolicy,
                      progress: Callable[[int, int], None] | None,
-                     weights_cache: Path | None) -> tuple[dict[str, Any], bool]:
-    """The parameters on the device, and whether they came from the weights cache."""
-    params, cached = None, False
+                     weights_cache: Path | None) -> tuple[dict[str, Any], bool, str | None]:
+    """The parameters on the device, whether they came from the weights cache, and their identity (the
+    weights cache's key: checkpoint hash and preparation; None without a weights cache)."""
+    params, cached, key = None, False, None
     if weights_cache is not None:
         key = weight_cache.cache_key(weight_cache.checkpoint_identity(Path(source.path), weights_cache), asdict(policy))
         params = weight_cache.load(weights_cache, key, jax.device_put)
@@ -92,4 +94,4 @@ def _prepared_params(source: CheckpointSource, cfg: ModelConfig, policy: WeightP
         params = fuse_projections(load_params(source, cfg, policy, progress))
         if weights_cache is not None:
             weight_cache.save(weights_cache, key, params)
-    return params, cached
+    return params, cached, key

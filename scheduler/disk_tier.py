@@ -105,39 +105,48 @@ class DiskTier:
         self._count("misses")
         return None
 
-    def store_missing(self, scope: Hashable, tokens: Sequence[int], read: Callable[[int], SlotSnapshot]) -> int:
-        """Queue what the disk lacks of ``tokens``'s KV: the full blocks not on disk and the tail, read by
-        ``read(start)`` as a snapshot of positions [start, len(tokens)). Runs shorter than a block are not
-        kept (cheaper to recompute). Returns the files queued."""
+    def store_missing(self, scope: Hashable, tokens: Sequence[int], read: Callable[[int], SlotSnapshot],
+                      boundaries: Sequence[int] = ()) -> int:
+        """Queue what the disk lacks of ``tokens``'s KV: the full blocks not on disk and the tails (at the end
+        and at each of ``boundaries``), read by ``read(start)`` as a snapshot of positions
+        [start, len(tokens)). Runs shorter than a block are not kept (cheaper to recompute). Returns the
+        files queued."""
         if len(tokens) < BLOCK:
             return 0
         start = self._walk(scope, tokens, tails=False)[0]
         if start == len(tokens):
             return 0
-        return self.store(scope, tokens, read(start))
+        return self.store(scope, tokens, read(start), boundaries)
 
     # ---- stores (engine thread queues, the writer thread writes) ------------------------------
-    def store(self, scope: Hashable, tokens: Sequence[int], snapshot: SlotSnapshot) -> int:
+    def store(self, scope: Hashable, tokens: Sequence[int], snapshot: SlotSnapshot,
+              boundaries: Sequence[int] = ()) -> int:
         """Queue the files for ``tokens``'s positions that ``snapshot`` holds (it must start at a block
-        boundary and end at len(tokens)): each full block not yet on disk, and the tail. Returns the
-        files queued."""
+        boundary and end at len(tokens)): each full block not yet on disk, the tail, and a tail ending at
+        each of ``boundaries`` (message boundaries: where a later prompt may diverge, as when a client
+        re-renders the assistant's message differently). Returns the files queued."""
         if snapshot.start % BLOCK or snapshot.end != len(tokens):
             raise ValueError(f"a store covers [block start, len(tokens)); got [{snapshot.start}, {snapshot.end})")
         link = chain_start(self.identity, scope)
         queued = 0
         for lo in range(0, len(tokens), BLOCK):
             hi = min(lo + BLOCK, len(tokens))
-            run = tokens[lo:hi]
             full = hi - lo == BLOCK
-            name = chain_next(link, run, tail=not full)
             if lo >= snapshot.start:
-                path = self._path(name)
-                if not (full and path.exists()):
-                    part = {k: {n: a[lo - snapshot.start:hi - snapshot.start] for n, a in e.items()}
-                            for k, e in snapshot.layers.items()}
-                    queued += self._enqueue(path, self._encode(lo, run, part))
-            link = name
+                ends = {b for b in boundaries if lo < b < hi} | ({hi} if not full else set())
+                for end in sorted(ends):  # tails
+                    queued += self._enqueue_run(self._path(chain_next(link, tokens[lo:end], tail=True)),
+                                                tokens, lo, end, snapshot)
+                path = self._path(chain_next(link, tokens[lo:hi]))
+                if full and not path.exists():
+                    queued += self._enqueue_run(path, tokens, lo, hi, snapshot)
+            link = chain_next(link, tokens[lo:hi])
         return queued
+
+    def _enqueue_run(self, path: Path, tokens: Sequence[int], lo: int, hi: int, snapshot: SlotSnapshot) -> int:
+        part = {k: {n: a[lo - snapshot.start:hi - snapshot.start] for n, a in e.items()}
+                for k, e in snapshot.layers.items()}
+        return self._enqueue(path, self._encode(lo, tokens[lo:hi], part))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued file is written (True) or ``timeout_s`` passes (False)."""

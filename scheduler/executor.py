@@ -59,11 +59,13 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
     return out
 
 
-def persist_slot(engine: Engine, disk: DiskTier, slot: Slot) -> int:
-    """Queue what the disk tier lacks of a slot's KV (at a message boundary). Only the copy off the device
-    runs here; the files are written on the disk tier's thread. Returns the files queued."""
+def persist_slot(engine: Engine, disk: DiskTier, slot: Slot, boundaries: tuple[int, ...] = ()) -> int:
+    """Queue what the disk tier lacks of a slot's KV, with tails at ``boundaries`` (positions where a later
+    prompt may diverge). Only the copy off the device runs here; the files are written on the disk tier's
+    thread. Returns the files queued."""
     tokens = tuple(slot.tokens)
-    return disk.store_missing(slot.scope, tokens, lambda start: engine.save_slot(slot.index, start, len(tokens)))
+    return disk.store_missing(slot.scope, tokens, lambda start: engine.save_slot(slot.index, start, len(tokens)),
+                              boundaries)
 
 
 def mask_buffer(engine: Engine, rows: int) -> np.ndarray:

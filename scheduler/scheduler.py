@@ -81,7 +81,7 @@ class SchedulerConfig:
     # request's KV is queued for it, and a stop writes what the slots and the host tier hold, waiting at most
     # disk_tier_flush_s for the files.
     disk_tier_dir: str | None = None
-    disk_tier_bytes: int = 16 * 2**30
+    disk_tier_bytes: int = 8 * 2**30
     disk_tier_flush_s: float = 10.0
 
 
@@ -151,6 +151,10 @@ class Scheduler:
     @property
     def host(self) -> HostTier:
         return self.kv.host
+
+    def disk_stats(self) -> dict[str, int] | None:
+        """The disk tier's counters and sizes (None: no disk tier)."""
+        return self.disk.stats() if self.disk is not None else None
 
     @property
     def snapshot(self) -> SchedulerSnapshot | None:
@@ -366,7 +370,9 @@ class Scheduler:
         self._emit(seq, event)
         if seq.slot is not None:
             if self.disk is not None:
-                persist_slot(self.engine, self.disk, self.kv.slots[seq.slot])
+                # Message boundaries: the template's, and the prompt's end (the client may re-render the reply).
+                persist_slot(self.engine, self.disk, self.kv.slots[seq.slot],
+                             (*seq.request.boundaries, len(seq.prompt)))
             self.kv.release(seq)
             if seq in self.planner.prefilling:
                 self.planner.prefilling.remove(seq)

@@ -48,6 +48,8 @@ class SnapshotSource(Protocol):
 
     def waiting_by_group(self) -> dict[str, int]: ...
 
+    def disk_stats(self) -> dict[str, int] | None: ...
+
     def counter_values(self) -> dict[str, int]: ...
 
 
@@ -83,6 +85,7 @@ class SchedulerSnapshot:
     waiting: dict[str, int]  # group -> requests waiting for a slot (groups with none left out)
     counters: dict[str, int]  # Scheduler.counters()
     host: dict[str, int]  # HostTier.stats(): bytes, nodes, hits, ...
+    disk: dict[str, int] | None  # DiskTier.stats() (None: no disk tier)
     decode_step_s: float | None  # the decode step's smoothed wall time (None before one ran)
     verify_rows_step_s: float | None
     history: tuple[tuple[float, int, int], ...]  # (time.time(), prompt_tokens, cached_tokens) over HISTORY_S
@@ -125,6 +128,7 @@ def take_snapshot(sched: SnapshotSource, plan: StepPlan | None, history: tuple =
         # The breakdown walks the host tier's trees: only once some request has run under an adapter.
         host={**sched.host.stats(), "by_adapter": sched.adapters.host_bytes(sched.host.bytes_by_scope())
               if sched.adapters.seen else {}},
+        disk=sched.disk_stats(),
         decode_step_s=steps.get("decode"),
         verify_rows_step_s=steps.get("verify_rows"), history=history)
 

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override the config's weight precision (default: by device)")
     serve.add_argument("--kv-dtype", default=None, choices=("compute", "int8", "float32", "bfloat16", "float16"),
                        help="override the config's KV cache dtype (default: by device and precision)")
+    serve.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                       help="the disk tier of the prefix cache: KV kept across restarts and shared by replicas "
+                            "pointing at the same DIR ('off': none; default: the config's, ~/.cache/slotserve/kv)")
     serve.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
                        help="a directory LoRA adapters named over HTTP may be loaded from (adds to the config's "
                             "adapters.dirs; repeatable; none: loading adapters at run time is off)")

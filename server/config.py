@@ -57,6 +57,9 @@ class SchedulerSection(_Section):
     speculative: bool = RUNTIME.speculative  # prompt-lookup speculation for plain-greedy streams (same tokens)
     batched_speculation: bool = RUNTIME.batched_speculation  # greedy streams verify drafts in one pass
     host_tier_bytes: int = Field(RUNTIME.host_tier_bytes, ge=0)
+    disk_tier_dir: str | None = RUNTIME.disk_tier_dir  # None: ~/.cache/slotserve/kv; "off": no disk tier
+    disk_tier_bytes: int = Field(RUNTIME.disk_tier_bytes, ge=0)
+    disk_tier_flush_s: float = Field(RUNTIME.disk_tier_flush_s, ge=0)
 
 
 class GrammarSection(_Section):
@@ -153,7 +156,8 @@ class ServerConfig(_Section):
             background_compile=m.background_compile, prefill_budget=s.prefill_budget,
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
             batched_speculation=s.batched_speculation,
-            host_tier_bytes=s.host_tier_bytes,
+            host_tier_bytes=s.host_tier_bytes, disk_tier_dir=s.disk_tier_dir, disk_tier_bytes=s.disk_tier_bytes,
+            disk_tier_flush_s=s.disk_tier_flush_s,
             adapter_slots=self.adapters.slot_count(adapters_in_files), adapter_rank=self.adapters.max_rank,
             grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,
             max_schema_bytes=g.max_schema_bytes,

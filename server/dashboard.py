@@ -111,6 +111,7 @@ def slots_document(state: ServerState) -> dict[str, Any]:
                    "evictions": data["host"]["evictions"], "restores": counters["host_restores"],
                    "saves": counters["host_saves"],
                    "by_adapter": {name: n for name, n in data["host"]["by_adapter"].items() if name}},
+        disk_tier=data["disk"],
         prefix_cache={"prompt_tokens": counters["prompt_tokens"], "cached_tokens": counters["cached_tokens"],
                       "hit_ratio": round(counters["cached_tokens"] / counters["prompt_tokens"], 4)
                       if counters["prompt_tokens"] else None,
@@ -204,6 +205,7 @@ padding:6px 12px;cursor:pointer}[hidden]{display:none!important}
 <section class="panel"><h2>Waiting queue</h2><table><thead><tr><th>agent</th><th>waiting</th></tr></thead>
 <tbody id="waiting"></tbody></table></section>
 <section class="panel"><h2>Host tier</h2><div id="host" class="kv"></div></section>
+<section class="panel"><h2>Disk tier</h2><div id="disk" class="kv"></div></section>
 <section class="panel"><h2>Prefix cache</h2><div id="cache" class="kv"></div></section>
 </div>
 <div class="row">
@@ -294,6 +296,10 @@ function render(d) {
   if (h) kv($("host"), [["bytes", fmtBytes(h.bytes_used) + " / " + fmtBytes(h.budget_bytes)], ["runs", h.nodes],
     ["hits", h.hits], ["restores", h.restores], ["saves", h.saves], ["evictions", h.evictions],
     ...Object.entries(h.by_adapter || {}).map(([a, n]) => ["adapter " + a, fmtBytes(n)])]);
+  const k = d.disk_tier;
+  kv($("disk"), k ? [["bytes", fmtBytes(k.bytes_used) + " / " + fmtBytes(k.budget_bytes)], ["files", k.entries],
+    ["hits", k.hits], ["misses", k.misses], ["writes", k.writes], ["evictions", k.evictions],
+    ["damaged", k.damaged]] : [["state", "off"]]);
   const c = d.prefix_cache, pct = (r) => r === null || r === undefined ? "-" : (100 * r).toFixed(1) + "%";
   if (c) kv($("cache"), [["hit ratio", pct(c.hit_ratio)], ["last minute", pct(c.hit_ratio_last_minute)],
     ["prompt tokens", c.prompt_tokens], ["cached tokens", c.cached_tokens], ["slot reuses", c.slot_reuses],

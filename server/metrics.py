@@ -70,6 +70,7 @@ class _SchedulerCollector(Collector):
             ("device_copies", "slot-to-slot prefix copies"),
             ("host_restores", "host-tier restores"),
             ("host_saves", "host-tier saves"),
+            ("disk_restores", "prefixes read from the disk tier"),
             ("in_flight_waits", "requests that waited for another request's prefill of their prefix"),
             ("rejected_queue_full", "requests refused because the queue was full"),
             ("cancelled", "requests cancelled (client gone or shutdown)"),
@@ -83,6 +84,32 @@ class _SchedulerCollector(Collector):
             c = CounterMetricFamily(f"slotserve_scheduler_{field}", doc)
             c.add_metric([], float(stats[field]))
             yield c
+        yield from _disk_tier_metrics(sched.disk_stats())
+
+
+DISK_TIER_COUNTERS = (("hits", "KV runs read from the disk tier"),
+                      ("misses", "disk-tier reads that found a file missing or damaged"),
+                      ("writes", "files written to the disk tier"),
+                      ("evictions", "files the disk tier's byte budget deleted"),
+                      ("damaged", "damaged, truncated or foreign files deleted unread"),
+                      ("dropped", "files not written because the write queue was full"),
+                      ("write_errors", "files whose write failed (disk full, permissions)"))
+
+
+def _disk_tier_metrics(disk: dict[str, int] | None):
+    if disk is None:
+        return
+    for name, doc, value in (("slotserve_disk_tier_bytes", "bytes of KV files in the disk tier's directory",
+                              disk["bytes_used"]),
+                             ("slotserve_disk_tier_entries", "KV files in the disk tier's directory", disk["entries"]),
+                             ("slotserve_disk_tier_budget_bytes", "the disk tier's byte budget", disk["budget_bytes"])):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], float(value))
+        yield g
+    for field, doc in DISK_TIER_COUNTERS:
+        c = CounterMetricFamily(f"slotserve_disk_tier_{field}", doc)
+        c.add_metric([], float(disk[field]))
+        yield c
 
 
 class RecentWindow:

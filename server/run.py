@@ -12,7 +12,8 @@ def config_overrides(args: argparse.Namespace) -> dict[str, object]:
     """Dotted config keys set by `serve`'s command-line flags (None: not given)."""
     flags = {"server.host": args.host, "server.port": args.port, "store.url": args.redis_url,
              "model.name": getattr(args, "model", None), "model.precision": getattr(args, "precision", None),
-             "model.kv_dtype": getattr(args, "kv_dtype", None)}
+             "model.kv_dtype": getattr(args, "kv_dtype", None),
+             "scheduler.disk_tier_dir": getattr(args, "kv_disk_dir", None)}
     return {key: value for key, value in flags.items() if value is not None and value != ""}
 
 

@@ -12,6 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 # Tests share one persistent compile cache so a rerun does not pay XLA compiles again.
 os.environ.setdefault("SLOTSERVE_CACHE_DIR", str(Path.home() / ".cache" / "slotserve-tests"))
+# The disk tier (on by default) would carry KV from one test's server to the next through the shared cache
+# directory, so a first request would not be cold; the tests of the disk tier give each server its own.
+os.environ.setdefault("SLOTSERVE_KV_DISK_DIR", "off")
 
 from core.device import configure_environment  # noqa: E402
 

@@ -68,7 +68,7 @@ def test_snapshot_states_agents_sessions_and_progress():
     sched = SimpleNamespace(slots=slots, host=host, step_seconds={"decode": 0.01}, iteration=7,
                             adapters=AdapterSlots(SimpleNamespace(config=SimpleNamespace(adapter_slots=0),
                                                                   loaded_adapters=[])),
-                            waiting_by_group=lambda: {"alpha": 2},
+                            waiting_by_group=lambda: {"alpha": 2}, disk_stats=lambda: None,
                             counter_values=lambda: {"prompt_tokens": 80, "cached_tokens": 16, "host_restores": 1})
     plan = StepPlan(verify=StepRow(verifying, [9, 1, 2], 41))
     snap = take_snapshot(sched, plan)

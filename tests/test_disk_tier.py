@@ -162,8 +162,11 @@ def assert_same(a: SlotSnapshot, b: SlotSnapshot) -> None:
 def test_lookups_serve_any_prefix_and_the_tail(tmp_path):
     tier = DiskTier(tmp_path, 2**30, "m")
     tokens = ids(20, 3 * BLOCK + 10)
-    assert tier.store_missing("s", tokens, lambda start: snapshot(tokens, start)) == 4
+    boundary = 2 * BLOCK + 5  # a message boundary: a tail ends there too
+    assert tier.store_missing("s", tokens, lambda start: snapshot(tokens, start), (boundary,)) == 5
     tier.flush(10)
+    assert tier.match("s", tokens[:boundary] + (7, 7)) == boundary
+    assert_same(tier.fetch("s", tokens[:boundary] + (7,), 0, boundary), cut(snapshot(tokens), 0, boundary))
     assert tier.match("s", tokens) == len(tokens)
     assert tier.match("s", tokens + (5, 6)) == len(tokens)
     assert tier.match("s", tokens[:BLOCK + 3] + (1,)) == BLOCK  # diverges inside a block: the blocks before it
