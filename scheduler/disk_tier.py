@@ -165,7 +165,7 @@ class DiskTier:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {**self._counts, "bytes_used": self._bytes, "entries": self._entries,
-                    "budget_bytes": self.budget_bytes}
+                    "budget_bytes": self.budget_bytes, "pending": self._queue.unfinished_tasks}
 
     # ---- the chain -----------------------------------------------------------------------------
     def _path(self, name: bytes) -> Path:

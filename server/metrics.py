@@ -102,7 +102,8 @@ def _disk_tier_metrics(disk: dict[str, int] | None):
     for name, doc, value in (("slotserve_disk_tier_bytes", "bytes of KV files in the disk tier's directory",
                               disk["bytes_used"]),
                              ("slotserve_disk_tier_entries", "KV files in the disk tier's directory", disk["entries"]),
-                             ("slotserve_disk_tier_budget_bytes", "the disk tier's byte budget", disk["budget_bytes"])):
+                             ("slotserve_disk_tier_budget_bytes", "the disk tier's byte budget", disk["budget_bytes"]),
+                             ("slotserve_disk_tier_pending", "files queued for writing", disk["pending"])):
         g = GaugeMetricFamily(name, doc)
         g.add_metric([], float(value))
         yield g

@@ -280,3 +280,23 @@ def test_a_killed_writers_temporary_files_are_cleared_once_stale(tmp_path):
     os.utime(stale, (old, old))
     DiskTier(tmp_path, 2**30, "m")
     assert fresh.exists() and not stale.exists()
+
+
+def test_the_directory_comes_from_the_flag_the_config_the_environment_or_the_cache_dir(tmp_path, monkeypatch):
+    from agents.runtime import disk_tier_dir
+    from server.cli import build_parser
+    from server.run import serve_config
+
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("scheduler:\n  disk_tier_dir: /srv/kv\n  disk_tier_bytes: 1000\n")
+    parse = build_parser().parse_args
+    assert serve_config(parse(["serve", "--config", str(config_file)])).runtime_options().disk_tier_dir == "/srv/kv"
+    flagged = serve_config(parse(["serve", "--config", str(config_file), "--kv-disk-dir", "off"])).runtime_options()
+    assert flagged.disk_tier_dir == "off" and flagged.disk_tier_bytes == 1000
+    assert disk_tier_dir("off") is None and disk_tier_dir("/x/kv") == "/x/kv"
+    monkeypatch.setenv("SLOTSERVE_KV_DISK_DIR", str(tmp_path / "env-kv"))
+    assert disk_tier_dir(None) == str(tmp_path / "env-kv")
+    monkeypatch.delenv("SLOTSERVE_KV_DISK_DIR")
+    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert disk_tier_dir(None) == str(tmp_path / "cache" / "kv")  # on by default, beside the other caches
+    assert serve_config(parse(["serve"])).runtime_options().disk_tier_dir is None

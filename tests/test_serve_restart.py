@@ -98,3 +98,71 @@ def test_a_restart_loads_weights_and_programs_from_its_caches(checkpoint, tmp_pa
 def all_compiled(url: str) -> bool:
     programs = httpx.get(f"{url}/ready", timeout=5).json()["programs"]
     return programs["compiled"] == programs["total"]
+
+
+SYSTEM_PROMPT = " ".join(f"Rule {i}: answer plainly and cite the rule you follow." for i in range(1, 31))
+
+
+def chat(url: str, messages: list[dict], **extra) -> dict:
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": "assistant", "messages": messages, "max_tokens": 8, "temperature": 0, **extra})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def disk_metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} "))
+
+
+def disk_writes(url: str) -> float:
+    return disk_metric(url, "slotserve_disk_tier_writes_total")
+
+
+def written_since(url: str, before: float) -> bool:
+    """Files were written since ``before`` and none is still queued."""
+    return disk_writes(url) > before and disk_metric(url, "slotserve_disk_tier_pending") == 0
+
+
+def test_a_session_continues_warm_after_sigterm_and_after_kill_9(checkpoint, tmp_path):
+    """Turn 1, SIGTERM, turn 2 (warm from disk), kill -9 once turn 2's files are written, turn 3 (warm): each
+    warm turn restores at least the previous turn's whole prompt and answers exactly what the same request
+    answers cold (another cache salt: nothing cached)."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"name": str(checkpoint), "slots": 2, "max_len": 2048, "chunk_sizes": [16, 64],
+                  "compile_cache": str(tmp_path / "xla")},
+        "scheduler": {"disk_tier_dir": str(tmp_path / "kv")},
+        "server": {"log_json": False},
+    }))
+    cache, log = tmp_path / "cache", tmp_path / "serve.log"
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hi"}]
+    previous_prompt = 0
+    for turn, ending in enumerate(("sigterm", "kill", "sigterm")):
+        proc, url = start(config, cache, log)
+        try:
+            if turn:  # warm from what the previous process wrote
+                before = disk_writes(url)
+            reply = chat(url, messages)
+            usage = reply["usage"]
+            if turn:
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= previous_prompt
+                cold = chat(url, messages, cache_salt=f"cold-{turn}")  # a scope no earlier process wrote
+                assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                assert reply["choices"][0]["message"] == cold["choices"][0]["message"]
+                shown = httpx.get(f"{url}/admin/slots", timeout=5).json()["disk_tier"]
+                assert shown["hits"] == 1 and shown["entries"] > 0 and shown["damaged"] == 0
+                if ending == "kill":  # nothing is written at exit: wait for the turn's files, then kill
+                    wait_until(partial(written_since, url, before), timeout=30, interval=0.1)
+            previous_prompt = usage["prompt_tokens"]
+            messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"And turn {turn + 2}?"}]
+        finally:
+            if ending == "kill":
+                proc.kill()
+                proc.wait(60)
+            else:
+                stop(proc)
+    assert previous_prompt > 3 * 64
+    files = list((tmp_path / "kv").iterdir())
+    assert files and all(f.stat().st_mode & 0o077 == 0 for f in files)
