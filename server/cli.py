@@ -86,6 +86,9 @@ def _cluster_args(sub) -> None:
     cluster.add_argument("--model", default=None, help="override the config's model")
     cluster.add_argument("--precision", default=None, choices=("float", "f32", "w8a8"))
     cluster.add_argument("--kv-dtype", default=None, choices=("compute", "int8", "float32", "bfloat16", "float16"))
+    cluster.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                         help="the disk tier every replica shares (default: each replica's config; on one "
+                              "machine that is one directory already, ~/.cache/slotserve/kv)")
     cluster.add_argument("--workdir", default=None, help="logs and router config (default: a new temp directory)")
 
 

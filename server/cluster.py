@@ -234,7 +234,7 @@ def serve_command(args: argparse.Namespace) -> ReplicaCommand:
     """`slotserve serve` on a loopback port with the cluster's Redis, and the flags given to `cluster`."""
     extra: list[str] = []
     for flag, value in (("--config", args.config), ("--model", args.model), ("--precision", args.precision),
-                        ("--kv-dtype", args.kv_dtype)):
+                        ("--kv-dtype", args.kv_dtype), ("--kv-disk-dir", args.kv_disk_dir)):
         if value:
             extra += [flag, value]
 

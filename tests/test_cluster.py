@@ -4,7 +4,8 @@ router `slotserve cluster` can start (vllm-router with sticky_least_loaded, HAPr
 Sessions spread over both replicas and stay on theirs; a replica killed with kill -9 between turns loses
 nothing (the session's next turn is answered by the other replica from the history in Redis); a replica killed
 mid-stream loses nothing either (the client's retry with the same Idempotency-Key commits once); a killed
-replica restarted on its port gets new sessions. The replicas (and Redis) are shared by both routers.
+replica restarted on its port gets new sessions. The replicas (and Redis) are shared by both routers. Two
+replicas sharing a disk-tier directory: a session moved to the other one continues warm.
 """
 
 from __future__ import annotations
@@ -156,12 +157,12 @@ def kill_mid_stream(cluster: Cluster, sid: str) -> int:
 
 def test_cluster_command_starts_serve_replicas_with_its_flags_on_the_shared_redis():
     args = build_parser().parse_args(["cluster", "--replicas", "3", "--router", "haproxy", "--port", "9000",
-                                      "--config", "my.yaml", "--precision", "w8a8"])
+                                      "--config", "my.yaml", "--precision", "w8a8", "--kv-disk-dir", "/kv"])
     assert (args.replicas, args.router, args.port, args.redis_url) == (3, "haproxy", 9000, None)
     argv = serve_command(args)(4242, "redis://127.0.0.1:7/0")
     assert argv[1:4] == ["-m", "server.cli", "serve"]
     assert argv[4:] == ["--host", "127.0.0.1", "--port", "4242", "--redis-url", "redis://127.0.0.1:7/0",
-                        "--config", "my.yaml", "--precision", "w8a8"]
+                        "--config", "my.yaml", "--precision", "w8a8", "--kv-disk-dir", "/kv"]
 
 
 def test_vllm_router_is_sticky_and_checks_ready():
@@ -185,3 +186,50 @@ def test_haproxy_config_hashes_the_session_header_and_is_valid(tmp_path):
     path.write_text(config)
     check = subprocess.run([binary, "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+LONG_MESSAGE = " ".join(f"Step {i}: check the input, then say what you checked." for i in range(1, 16))
+
+
+@pytest.mark.slow
+def test_a_session_moved_to_another_replica_continues_warm_from_the_shared_disk_tier(tmp_path):
+    """Two replicas sharing a disk-tier directory: a session's turn on one, that replica killed with kill -9
+    once the turn's KV files are written, the next turn on the other reads them (cached_tokens covers the
+    first turn's prompt) and answers exactly what the same prompt answers cold."""
+    kv = tmp_path / "kv"
+
+    def replica(port: int, redis_url: str) -> list[str]:
+        return [*tiny_replica(port, redis_url), "--kv-disk-dir", str(kv)]
+
+    replicas = Cluster(2, replica, tmp_path / "cluster", router=None, ready_timeout_s=300).start()
+    try:
+        first_url, second_url = (r.url for r in replicas.members)
+        headers = {"X-Session-Id": "moved"}
+
+        def chat(url: str, body: dict, **extra) -> dict:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers=extra.pop("headers", headers),
+                           json={"model": "assistant", "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+                                 **body, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = chat(first_url, {"messages": [user(LONG_MESSAGE)]})
+        deadline = time.monotonic() + 30
+        while (metric(first_url, "slotserve_disk_tier_pending")
+               or not metric(first_url, "slotserve_disk_tier_writes_total")):
+            assert time.monotonic() < deadline, "the first replica wrote no KV files"
+            time.sleep(0.1)
+        replicas.members[0].process.kill()
+        second = chat(second_url, {"messages": [user("Go on.")]})
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+        whole = history(replicas, "moved")[:-1]  # the prompt of the second turn: everything before its reply
+        cold = chat(second_url, {"messages": whole}, headers={}, cache_salt="cold")
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert cold["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    finally:
+        replicas.stop()
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} "))

