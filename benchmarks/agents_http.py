@@ -120,8 +120,12 @@ async def stream_chat(client: Any, url: str, body: dict[str, Any], headers: dict
 
 
 async def run_workload(server: dict[str, Any], work: dict[str, Any], args: argparse.Namespace,
-                       headers: Callable[[dict[str, Any]], dict[str, str]] | None = None) -> dict[str, Any]:
-    """``headers``: extra request headers per session spec (scale_out.py: X-Session-Id, for sticky routing)."""
+                       headers: Callable[[dict[str, Any]], dict[str, str]] | None = None,
+                       turns: range | None = None, histories: dict[str, list] | None = None) -> dict[str, Any]:
+    """``headers``: extra request headers per session spec (scale_out.py: X-Session-Id, for sticky routing).
+    ``turns``: only these turns of each session (default: all), continuing the session's history from
+    ``histories`` (session -> messages so far, updated in place) when given (restart_warm.py)."""
+    histories = {} if histories is None else histories
     import httpx
 
     gate = asyncio.Semaphore(args.concurrency)
@@ -130,9 +134,10 @@ async def run_workload(server: dict[str, Any], work: dict[str, Any], args: argpa
 
     async def session(client: Any, spec: dict[str, Any], index: int) -> None:
         async with gate:
-            history = [{"role": "system", "content": work["systems"][spec["agent"]]}]
-            for turn, user in enumerate(spec["users"]):
-                history.append({"role": "user", "content": user})
+            history = histories.setdefault(spec["session"],
+                                           [{"role": "system", "content": work["systems"][spec["agent"]]}])
+            for turn in turns if turns is not None else range(len(spec["users"])):
+                history.append({"role": "user", "content": spec["users"][turn]})
                 body = {"model": server["model"](spec["agent"]), "messages": list(history),
                         "max_tokens": args.max_tokens, "temperature": 0.7, "seed": 1000 * index + turn,
                         "stream": True, "stream_options": {"include_usage": True}}

@@ -21,6 +21,10 @@ counters (prefill tokens computed, prefix-cache hits, ...) over the measured wor
 2-core CPU machine two replicas share the cores, so expect no gain there; the figure that matters comes from
 one accelerator per replica.
 
+`--failover`: two replicas sharing a disk-tier directory, one killed with kill -9 before every session's last
+turn, which the other answers; against the same with the disk tier off, and with no kill
+(`measure_failover`; results in scale-out-failover-<router>.json).
+
 Writes benchmarks/results/scale-out-<router>.json (or --out).
 """
 
@@ -58,11 +62,13 @@ from server.cluster import Cluster  # noqa: E402
 TINY_SERVER = REPO / "tests" / "tiny_server.py"
 
 
-def replica_command(args: argparse.Namespace, config: str | None = None):
-    """``config``: the YAML for `slotserve serve` (--config wins; None: the default config)."""
+def replica_command(args: argparse.Namespace, config: str | None = None, disk: str | None = None):
+    """``config``: the YAML for `slotserve serve` (--config wins; None: the default config); ``disk``: the
+    tiny replicas' disk-tier directory (`serve` replicas take theirs from the config)."""
     def command(port: int, redis_url: str) -> list[str]:
         if args.tiny:
-            return [sys.executable, str(TINY_SERVER), "--port", str(port), "--redis-url", redis_url]
+            return [sys.executable, str(TINY_SERVER), "--port", str(port), "--redis-url", redis_url,
+                    *(["--kv-disk-dir", disk] if disk and disk != "off" else [])]
         chosen = args.config or config
         extra = ["--config", chosen] if chosen else []
         return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -177,6 +183,78 @@ def measure_agents(replicas: int, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+FAILOVER_VARIANTS = ("no_failover", "failover_shared_disk", "failover_no_disk")
+
+
+def measure_failover(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Two replicas behind the router sharing a disk-tier directory (``failover_no_disk``: none). Every
+    session's turns but the last go through the router (sticky); then replica 0 is killed with kill -9, once
+    its disk tier has written everything, and every session's last turn goes to replica 1, as the router sends
+    a dead replica's sessions on (``no_failover``: the last turn through the router, both alive). Measured:
+    the last turn's prefill tokens computed, cached tokens and TTFT."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"scale-out-{variant}-"))
+    work = agents_http.build_workload(args)
+    disk = "off" if variant == "failover_no_disk" else str(workdir / "kv")
+    config = None
+    if not args.tiny:
+        config = str(agents_http.ours(args, work, workdir)["command"][-1])
+        with open(config, "a") as f:
+            f.write(f"scheduler:\n  disk_tier_dir: {disk}\n")
+    cluster = Cluster(2, replica_command(args, config, disk), workdir, router=args.router, port=free_port())
+    cluster.start()
+
+    def server(url: str) -> dict[str, Any]:
+        return {"chat_url": lambda agent: f"{url}/v1/chat/completions",
+                "model": (lambda agent: "assistant") if args.tiny else (lambda agent: agent)}
+
+    def sticky(spec: dict[str, Any]) -> dict[str, str]:
+        return {"X-Session-Id": f"run-{spec['session']}"}
+
+    histories: dict[str, list] = {}
+    try:
+        for replica in cluster.members:
+            wait_healthy(replica.url, replica.process.proc, replica.process.log_path, "/ready", args.timeout,
+                         every_program=True)
+        asyncio.run(agents_http.run_workload(server(cluster.url), work, args, headers=sticky,
+                                             turns=range(args.turns - 1), histories=histories))
+        live, target = cluster.members, server(cluster.url)
+        if variant != "no_failover":
+            victim, live = cluster.members[0], cluster.members[1:]
+            while disk != "off" and metric(victim.url, "slotserve_disk_tier_pending"):
+                time.sleep(0.05)
+            victim.process.kill()
+            target = server(live[0].url)
+        urls = [replica.url for replica in live]
+        before = counters(urls)
+        last = asyncio.run(agents_http.run_workload(target, work, args, headers=sticky,
+                                                    turns=range(args.turns - 1, args.turns), histories=histories))
+        after = counters(urls)
+    finally:
+        cluster.stop()
+    records = last["records"]
+    ok = [r for r in records if not r["error"]]
+    ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    result = {
+        "variant": variant, "requests": len(records), "errors": len(records) - len(ok),
+        "error_samples": [r["error"] for r in records if r["error"]][:3],
+        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"]),
+        "cached_tokens": sum(((r["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                             for r in ok),
+        "prefill_tokens_computed": int(sum(a["prefill_tokens"] - b.get("prefill_tokens", 0)
+                                           for a, b in zip(after, before, strict=True))),
+        "disk_restores": int(sum(a.get("disk_restores", 0) - b.get("disk_restores", 0)
+                                 for a, b in zip(after, before, strict=True))),
+        **{f"ttft_p{q}_s": round(percentile(ttfts, q / 100), 4) if ttfts else None for q in (50, 90)},
+    }
+    print(f"{variant}: {result}", file=sys.stderr, flush=True)
+    return result
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} ")), 0.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--router", default="vllm-router", choices=("vllm-router", "haproxy"))
@@ -195,13 +273,16 @@ def main() -> None:
     parser.add_argument("--user-words", type=int, default=None, help="default 25 (--tiny: 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--failover", action="store_true",
+                        help="two replicas, one killed before the last turn: with a shared disk tier, without, "
+                             "and no kill (agents workload)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.system_words is None:
         args.system_words = 60 if args.tiny else 1150
     if args.user_words is None:
         args.user_words = 8 if args.tiny else 25
-    name = f"scale-out-{args.router}{'-tiny' if args.tiny else ''}.json"
+    name = f"scale-out-{'failover-' if args.failover else ''}{args.router}{'-tiny' if args.tiny else ''}.json"
     out = Path(args.out or REPO / "benchmarks" / "results" / name)
     keys = ("sessions", "turns", "concurrency", "max_tokens")
     if args.workload == "agents":
@@ -211,7 +292,8 @@ def main() -> None:
               "commit": git_commit(mark_dirty=True), "host": host(), "argv": sys.argv[1:],
               "machine": platform.machine(),
               "workload": {"kind": args.workload, **{k: getattr(args, k) for k in keys}},
-              "runs": [measure(n, args) for n in args.replicas]}
+              "runs": [measure_failover(v, args) for v in FAILOVER_VARIANTS] if args.failover
+              else [measure(n, args) for n in args.replicas]}
     save_report(out, report)
 
 if __name__ == "__main__":

@@ -61,6 +61,11 @@ class SchedulerSection(_Section):
     disk_tier_bytes: int = Field(RUNTIME.disk_tier_bytes, ge=0)
     disk_tier_flush_s: float = Field(RUNTIME.disk_tier_flush_s, ge=0)
 
+    @field_validator("disk_tier_dir", mode="before")
+    @classmethod
+    def _off(cls, value: object) -> object:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
 
 class GrammarSection(_Section):
     backend: Literal["llguidance", "outlines-core"] = RUNTIME.grammar_backend  # type: ignore[assignment]

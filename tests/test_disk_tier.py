@@ -289,10 +289,13 @@ def test_the_directory_comes_from_the_flag_the_config_the_environment_or_the_cac
 
     config_file = tmp_path / "c.yaml"
     config_file.write_text("scheduler:\n  disk_tier_dir: /srv/kv\n  disk_tier_bytes: 1000\n")
+    off_file = tmp_path / "off.yaml"
+    off_file.write_text("scheduler:\n  disk_tier_dir: off\n")  # YAML's false: read as "off"
     parse = build_parser().parse_args
     assert serve_config(parse(["serve", "--config", str(config_file)])).runtime_options().disk_tier_dir == "/srv/kv"
     flagged = serve_config(parse(["serve", "--config", str(config_file), "--kv-disk-dir", "off"])).runtime_options()
     assert flagged.disk_tier_dir == "off" and flagged.disk_tier_bytes == 1000
+    assert serve_config(parse(["serve", "--config", str(off_file)])).runtime_options().disk_tier_dir == "off"
     assert disk_tier_dir("off") is None and disk_tier_dir("/x/kv") == "/x/kv"
     monkeypatch.setenv("SLOTSERVE_KV_DISK_DIR", str(tmp_path / "env-kv"))
     assert disk_tier_dir(None) == str(tmp_path / "env-kv")
