@@ -7,7 +7,7 @@ takes in each block's tokens, so a file's name says which prefix it belongs to a
 prompt block by block, one `stat` each. The run past the last full block is kept as a tail file named by
 the chain so far and its own tokens; a lookup probes the tail lengths the prompt allows, longest first.
 
-Files are written by a background thread (the engine thread only copies the KV off the device), each as a
+Files are encoded and written by a background thread (the engine thread only copies the KV off the device), each as a
 temporary file renamed into place, so a reader sees a whole entry or none, and two processes writing the
 same entry each write a whole one. Every file carries its format, the engine identity, its positions, its
 tokens and a checksum: a damaged, truncated or foreign file is deleted and counts as a miss, never served.
@@ -74,7 +74,8 @@ class DiskTier:
         self._counts = {"hits": 0, "misses": 0, "writes": 0, "evictions": 0, "damaged": 0, "dropped": 0,
                         "write_errors": 0}
         self._bytes, self._entries = self._scan_totals()
-        self._queue: queue.Queue[tuple[Path, bytes] | None] = queue.Queue(WRITE_QUEUE)
+        # (path, start, tokens, arrays): encoded and written on the writer thread; None: stop
+        self._queue: queue.Queue[tuple[Path, int, tuple[int, ...], Arrays] | None] = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="slotserve-kv-disk", daemon=True)
         self._writer.start()
 
@@ -146,7 +147,7 @@ class DiskTier:
     def _enqueue_run(self, path: Path, tokens: Sequence[int], lo: int, hi: int, snapshot: SlotSnapshot) -> int:
         part = {k: {n: a[lo - snapshot.start:hi - snapshot.start] for n, a in e.items()}
                 for k, e in snapshot.layers.items()}
-        return self._enqueue(path, self._encode(lo, tokens[lo:hi], part))
+        return self._enqueue((path, lo, tuple(tokens[lo:hi]), part))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued file is written (True) or ``timeout_s`` passes (False)."""
@@ -242,9 +243,9 @@ class DiskTier:
             arrays.setdefault(key, {})[name] = array[:n]
         return arrays if offset == len(body) else None
 
-    def _enqueue(self, path: Path, data: bytes) -> int:
+    def _enqueue(self, item: tuple[Path, int, tuple[int, ...], Arrays]) -> int:
         try:
-            self._queue.put_nowait((path, data))
+            self._queue.put_nowait(item)
             return 1
         except queue.Full:
             self._count("dropped")
@@ -256,7 +257,8 @@ class DiskTier:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                path, start, tokens, arrays = item
+                self._write(path, self._encode(start, tokens, arrays))
             except Exception:  # noqa: BLE001 - a failed write (disk full, permissions) loses only that entry
                 log.exception("disk KV tier: writing an entry failed")
                 self._count("write_errors")
