@@ -310,6 +310,8 @@ def test_the_page_in_headless_chromium_shows_every_slot_and_its_changes(tmp_path
             assert len(busy) == 4 and set(busy) <= {"idle", "prefilling", "waiting", "decoding", "verifying"}
             text = browser.evaluate(tab, "document.body.innerText")
             assert "assistant" in text and "page-" in text and "host tier" in text.lower()
+            disk = browser.evaluate(tab, "document.getElementById('disk').textContent")
+            assert "off" in disk  # the suite's servers run without a disk tier
             shot = browser.screenshot(tab, tmp_path / "dashboard-busy.png")
             for t in threads:
                 t.join(120)

@@ -171,6 +171,12 @@ def test_lookups_serve_any_prefix_and_the_tail(tmp_path):
     assert tier.match("s", tokens + (5, 6)) == len(tokens)
     assert tier.match("s", tokens[:BLOCK + 3] + (1,)) == BLOCK  # diverges inside a block: the blocks before it
     assert tier.match("other scope", tokens) == 0
+    under = (("agent", None), "adapter-fingerprint-1")  # Sequence.scope under a LoRA adapter
+    tier.store_missing(under, tokens, lambda start: snapshot(tokens, start))
+    tier.flush(10)
+    assert tier.match(under, tokens) == len(tokens)
+    assert tier.match((("agent", None), "adapter-fingerprint-2"), tokens) == 0
+    assert tier.match(("agent", None), tokens) == 0
     assert DiskTier(tmp_path, 2**30, "another model").match("s", tokens) == 0
     assert_same(tier.fetch("s", tokens, 10, len(tokens) - 1), cut(snapshot(tokens), 10, len(tokens) - 1))
     # A longer conversation stores only what the disk lacks: its new blocks and a new tail.
