@@ -26,7 +26,7 @@ from tiny_models import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS = 4
-SYSTEM = ids(1, 2 * BLOCK + 9)  # two full blocks and a tail
+SYSTEM = ids(1, BLOCK + 9)  # a full block and a tail
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma3-w8a8-int8kv"])
@@ -37,7 +37,8 @@ def engine(request, compile_cache):
     kv_dtype = None
     if variant:
         params, kv_dtype = to_w8a8(params), "int8"
-    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=512, chunk_sizes=(16, 64), kv_dtype=kv_dtype),
+    # test_prefix_reuse.py's engines: the same programs, so a run of the suite compiles them once
+    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=160, chunk_sizes=(4, 16), kv_dtype=kv_dtype),
                  "float32")
     eng.warmup()
     return eng
@@ -59,7 +60,7 @@ def test_a_restarted_scheduler_continues_a_conversation_from_disk(engine, tokeni
     first = request(SYSTEM + ids(2, 20), max_tokens=8, affinity="s")
     before = restarted(engine, tokenizer, tmp_path)
     out1 = run_all(before, [first])[0][0]
-    assert before.disk.flush(10) and before.disk.stats()["writes"] >= 3
+    assert before.disk.flush(10) and before.disk.stats()["writes"] >= 3  # a block, the prompt's tail, the end's
     second = request(first.prompt_ids + tuple(out1) + ids(3, 7), max_tokens=8, affinity="s")
 
     after = restarted(engine, tokenizer, tmp_path)
@@ -98,7 +99,7 @@ def test_damaged_truncated_or_foreign_files_are_deleted_and_recomputed(engine, t
     sched = restarted(engine, tokenizer, tmp_path)
     run_all(sched, [req])
     sched.disk.flush(10)
-    victim = second_block(tmp_path, engine.kv_identity(), req.prompt_ids)  # the first block still serves
+    victim = tail_of(tmp_path, engine.kv_identity(), req.prompt_ids)  # the first block still serves
     data = victim.read_bytes()
     if damage == "flip":
         victim.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
@@ -108,21 +109,23 @@ def test_damaged_truncated_or_foreign_files_are_deleted_and_recomputed(engine, t
         foreign = DiskTier(tmp_path / "foreign", 2**30, "another-model")
         foreign.store(None, req.prompt_ids, snapshot(req.prompt_ids))
         foreign.flush(10)
-        victim.write_bytes(second_block(tmp_path / "foreign", "another-model", req.prompt_ids).read_bytes())
+        victim.write_bytes(tail_of(tmp_path / "foreign", "another-model", req.prompt_ids).read_bytes())
     again = request(req.prompt_ids + ids(8, 3))
     after = restarted(engine, tokenizer, tmp_path)
     pairs, fin = run_logprobs(after, again)
     assert after.disk.stats()["damaged"] == 1
     assert fin.usage.cached_tokens == 0  # nothing restored past a bad file: the whole prompt recomputed
     assert pairs == cold_logprobs(engine, tokenizer, again)
-    assert after.disk.flush(10) and victim.exists()  # written again from the recomputed KV, whole this time
-    assert after.disk.fetch(None, again.prompt_ids, 0, 2 * BLOCK) is not None
+    assert after.disk.flush(10) and not victim.exists()
+    # the recomputed prompt's own files, whole: the next turn restores it
+    assert after.disk.fetch(None, again.prompt_ids, 0, len(again.prompt_ids)) is not None
 
 
-def second_block(directory: Path, identity: str, tokens, scope=None) -> Path:
-    """The file of positions [BLOCK, 2 * BLOCK) of ``tokens`` (a request without a cache scope)."""
+def tail_of(directory: Path, identity: str, tokens, scope=None) -> Path:
+    """The tail file after the first block of ``tokens`` (a request without a cache scope), ending at
+    len(tokens)."""
     first = chain_next(chain_start(identity, scope), tokens[:BLOCK])
-    return directory / f"{chain_next(first, tokens[BLOCK:2 * BLOCK]).hex()}{SUFFIX}"
+    return directory / f"{chain_next(first, tokens[BLOCK:], tail=True).hex()}{SUFFIX}"
 
 
 def test_files_are_private_to_the_owner(engine, tokenizer, tmp_path):
