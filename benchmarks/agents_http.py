@@ -306,23 +306,28 @@ async def warm_up(server: dict[str, Any], args: argparse.Namespace) -> None:
         await stream_chat(client, server["chat_url"]("agent0"), body, {})
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-server", default=None, help="llama.cpp server binary (benchmarks/build_llama_server.sh)")
-    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the packaged Gemma 3 270M Q4_K_M)")
-    p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 2)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload's shape (`build_workload`, `run_workload`), shared with restart_warm.py."""
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=8, help="sessions in flight (and slots / llama -np)")
     p.add_argument("--system-words", type=int, default=1150)
     p.add_argument("--user-words", type=int, default=25)
-    p.add_argument("--twice-words", type=int, default=1800)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--order", default="llama,ours", help="servers in the order they run")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--start-timeout", type=float, default=900)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-server", default=None, help="llama.cpp server binary (benchmarks/build_llama_server.sh)")
+    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the packaged Gemma 3 270M Q4_K_M)")
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 2)
+    add_workload_args(p)
+    p.add_argument("--twice-words", type=int, default=1800)
+    p.add_argument("--order", default="llama,ours", help="servers in the order they run")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/agents-http-cpu.json"))
     args = p.parse_args(argv)
 

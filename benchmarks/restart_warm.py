@@ -34,7 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.agents_http import build_workload, run_workload, scheduler_counters, warm_up  # noqa: E402
+from benchmarks.agents_http import (  # noqa: E402
+    add_workload_args,
+    build_workload,
+    run_workload,
+    scheduler_counters,
+    warm_up,
+)
 from benchmarks.common import (  # noqa: E402
     child_process,
     free_port,
@@ -139,17 +145,8 @@ def run_mode(mode: str, work: dict[str, Any], args: argparse.Namespace) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--agents", type=int, default=4)
-    p.add_argument("--sessions", type=int, default=16)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--system-words", type=int, default=1150)
-    p.add_argument("--user-words", type=int, default=25)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/restart-warm-cpu.json"))
     args = p.parse_args(argv)
     work = build_workload(args)

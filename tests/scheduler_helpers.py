@@ -14,6 +14,26 @@ VOCAB = 262_144
 GREEDY = SamplingParams(temperature=0)
 
 
+def cache_path_engine(variant: str, slots: int):
+    """The engine the prefix-cache tests share (test_prefix_reuse.py, test_disk_tier.py: the same programs,
+    compiled once per run): "gemma3", "gemma4", or "gemma3-w8a8-int8kv" (the CPU serving default), warm."""
+    from core.config import ModelConfig
+    from core.engine import Engine, EngineConfig
+    from core.weights import random_params, to_w8a8
+    from tiny_models import CONFIGS
+
+    family, _, quantized = variant.partition("-")
+    cfg = ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=11)
+    kv_dtype = None
+    if quantized:
+        params, kv_dtype = to_w8a8(params), "int8"
+    engine = Engine(cfg, params, EngineConfig(num_slots=slots, max_len=160, chunk_sizes=(4, 16), kv_dtype=kv_dtype),
+                    "float32")
+    engine.warmup()
+    return engine
+
+
 def make(engine, tokenizer, **config) -> Scheduler:
     # No stop ids: random weights would end streams at random; tests set lengths explicitly.
     return Scheduler(engine, tokenizer, SchedulerConfig(**config), stop_ids=frozenset())

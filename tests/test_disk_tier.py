@@ -17,12 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.config import ModelConfig
-from core.engine import Engine, EngineConfig, SlotSnapshot
-from core.weights import random_params, to_w8a8
+from core.engine import SlotSnapshot
 from scheduler.disk_tier import BLOCK, SUFFIX, DiskTier, chain_next, chain_start
-from scheduler_helpers import VOCAB, cold_logprobs, ids, make, request, run_all, token_logprobs
-from tiny_models import CONFIGS
+from scheduler_helpers import cache_path_engine, cold_logprobs, ids, make, request, run_all, token_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS = 4
@@ -31,17 +28,7 @@ SYSTEM = ids(1, BLOCK + 9)  # a full block and a tail
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma3-w8a8-int8kv"])
 def engine(request, compile_cache):
-    family, _, variant = request.param.partition("-")
-    cfg = ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
-    params = random_params(cfg, std=0.1, norm_std=0.1, seed=11)
-    kv_dtype = None
-    if variant:
-        params, kv_dtype = to_w8a8(params), "int8"
-    # test_prefix_reuse.py's engines: the same programs, so a run of the suite compiles them once
-    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=160, chunk_sizes=(4, 16), kv_dtype=kv_dtype),
-                 "float32")
-    eng.warmup()
-    return eng
+    return cache_path_engine(request.param, SLOTS)
 
 
 def restarted(engine, tokenizer, directory: Path, **config):

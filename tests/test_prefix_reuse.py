@@ -12,7 +12,7 @@ from core.config import ModelConfig
 from core.engine import Engine, EngineConfig
 from core.weights import random_params, to_w8a8
 from scheduler.request import GenerationRequest
-from scheduler_helpers import VOCAB, cold, cold_logprobs, ids, make, request, run_all, token_logprobs
+from scheduler_helpers import VOCAB, cache_path_engine, cold, cold_logprobs, ids, make, request, run_all, token_logprobs
 from tiny_models import CONFIGS, WINDOW
 
 SLOTS = 4
@@ -21,16 +21,7 @@ SYSTEM_LEN = 3 * WINDOW + 2
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma3-w8a8-int8kv"])
 def engine(request, compile_cache):
-    family, _, variant = request.param.partition("-")
-    cfg = ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
-    params = random_params(cfg, std=0.1, norm_std=0.1, seed=11)
-    kv_dtype = None
-    if variant:
-        params, kv_dtype = to_w8a8(params), "int8"
-    eng = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=160, chunk_sizes=(4, 16), kv_dtype=kv_dtype),
-                 "float32")
-    eng.warmup()
-    return eng
+    return cache_path_engine(request.param, SLOTS)
 
 
 SYSTEM = ids(1, SYSTEM_LEN)
