@@ -112,7 +112,7 @@ class DiskTier:
         and at each of ``boundaries``), read by ``read(start)`` as a snapshot of positions
         [start, len(tokens)). Runs shorter than a block are not kept (cheaper to recompute). Returns the
         files queued."""
-        if len(tokens) < BLOCK:
+        if len(tokens) < BLOCK or (not boundaries and self._walk(scope, tokens)[0] == len(tokens)):
             return 0
         start = self._walk(scope, tokens, tails=False)[0]
         if start == len(tokens):

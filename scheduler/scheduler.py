@@ -369,10 +369,8 @@ class Scheduler:
         self.stats.budget_closed += event.budget_closed
         self._emit(seq, event)
         if seq.slot is not None:
-            if self.disk is not None:
-                # Message boundaries: the template's, and the prompt's end (the client may re-render the reply).
-                persist_slot(self.engine, self.disk, self.kv.slots[seq.slot],
-                             (*seq.request.boundaries, len(seq.prompt)))
+            # Message boundaries: the template's, and the prompt's end (the client may re-render the reply).
+            self._persist(self.kv.slots[seq.slot], (*seq.request.boundaries, len(seq.prompt)))
             self.kv.release(seq)
             if seq in self.planner.prefilling:
                 self.planner.prefilling.remove(seq)
@@ -399,13 +397,23 @@ class Scheduler:
         if self.disk is not None and self.failure is None:
             self._persist_all()
 
+    def _persist(self, slot: Slot, boundaries: tuple[int, ...] = ()) -> None:
+        """Queue what the disk tier lacks of a slot's KV. Never fatal: a failure loses the files, not the
+        request or the loop (and a dead loop's engine is not read at all)."""
+        if self.disk is None or self.failure is not None:
+            return
+        try:
+            persist_slot(self.engine, self.disk, slot, boundaries)
+        except Exception:  # noqa: BLE001 - the disk tier is a cache
+            log.exception("disk KV tier: keeping slot %d's KV failed", slot.index)
+
     def _persist_all(self) -> None:
         """Write what the slots and the host tier hold to the disk tier (what the disk lacks of it), within
         disk_tier_flush_s."""
         deadline = time.monotonic() + self.config.disk_tier_flush_s
         for slot in self.slots:
             if time.monotonic() < deadline:
-                persist_slot(self.engine, self.disk, slot)
+                self._persist(slot)
         for scope, tokens, snapshot in self.kv.host.conversations():
             if time.monotonic() < deadline:
                 self.disk.store_missing(scope, tokens, snapshot.suffix)

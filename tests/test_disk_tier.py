@@ -80,6 +80,20 @@ def test_a_stop_writes_what_slots_and_the_host_tier_hold(engine, tokenizer, tmp_
     assert after.kv.stats.disk_restores == 2
 
 
+def test_a_failure_to_keep_kv_on_disk_loses_files_not_requests(engine, tokenizer, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no copy off the device today")
+
+    sched = restarted(engine, tokenizer, tmp_path)
+    monkeypatch.setattr(engine, "save_slot", broken)
+    req = request(SYSTEM + ids(9, 4))
+    pairs, fin = run_logprobs(sched, req)
+    assert pairs == cold_logprobs(engine, tokenizer, req) and sched.failure is None
+    assert not list(tmp_path.glob(f"*{SUFFIX}"))
+    monkeypatch.undo()
+    assert run_logprobs(sched, req)[1].usage.cached_tokens == len(req.prompt_ids) - 1  # the slot still serves
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
 def test_damaged_truncated_or_foreign_files_are_deleted_and_recomputed(engine, tokenizer, tmp_path, damage):
     req = request(SYSTEM + ids(7, 5))
