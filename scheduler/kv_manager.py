@@ -162,18 +162,23 @@ class KVCacheManager:
         return min(self.disk.match(seq.scope, seq.prompt), len(seq.prompt) - 1)
 
     def _in_flight_donor(self, seq: Sequence) -> tuple[Sequence, int] | None:
-        """A sequence still prefilling a longer common prefix than any cache holds now, and that length."""
+        """A sequence still prefilling a longer common prefix than any cache holds now, and that length. The
+        caches (the host and disk lookups among them) are asked only when some sequence of the scope is still
+        prefilling: most placements have none."""
         if not self.config.prefix_caching:
             return None
-        best = max(self._available(seq), self._shared(self.slots[seq.slot], seq))
-        chosen = None
+        ahead_of: list[tuple[Sequence, int]] = []
         for slot in self.slots:
             other = slot.sequence
             if other is None or other is seq or other.state is not SeqState.PREFILLING or other.awaiting is not None:
                 continue
-            if other.scope != seq.scope:
-                continue
-            ahead = min(common_prefix(other.prompt, seq.prompt), len(seq.prompt) - 1)
+            if other.scope == seq.scope:
+                ahead_of.append((other, min(common_prefix(other.prompt, seq.prompt), len(seq.prompt) - 1)))
+        if not ahead_of:
+            return None
+        best = max(self._available(seq), self._shared(self.slots[seq.slot], seq))
+        chosen = None
+        for other, ahead in ahead_of:
             if ahead - best >= self.config.min_wait_tokens and (chosen is None or ahead > chosen[1]):
                 chosen = (other, ahead)
         return chosen
