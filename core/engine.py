@@ -22,8 +22,8 @@ import numpy as np
 
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
-from core.lora import LoraAdapter, attach_slots, with_adapter
-from core.model import decode_step, prefill_chunk, verify_chunk
+from core.lora import LoraAdapter, adapted_projections, attach_slots, with_adapter
+from core.model import decode_step, prefill_chunk, slot_batched_lora_exact, verify_chunk
 from core.program_store import ProgramStore, environment_fingerprint
 from core.programs import Program, ProgramKey, ProgramTable, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
@@ -69,6 +69,10 @@ class EngineConfig:
     # none, and loading an adapter writes into a slot (no program changes). 0: no adapter path at all.
     adapter_slots: int = 0
     adapter_rank: int = 16  # every slot holds an adapter of up to this rank (smaller ones are zero-padded)
+    # A decode step whose rows use more adapter slots than this computes their products batched over all slots
+    # (where the host rounds that as the per-slot pairs, `core.model.lora_delta`): per-slot pairs cost ~4.5 ms
+    # per slot in use on the default model, the batched form ~24 ms whatever the mix (docs/lora.md).
+    slot_batched_lora_over: int = 4
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
@@ -147,6 +151,12 @@ class Engine:
         # do not depend on the row count (`core.model.lora_delta`; tests/test_batched_verify.py checks it).
         self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
                                   and all_matmuls_integer(params))
+        # A decode step of rows under many adapters batches their products over the slots, where that rounds as
+        # the per-slot pairs do on this host (`core.model.lora_delta`); the probe runs once per process and shapes.
+        exact = bool(config.adapter_slots) and slot_batched_lora_exact(
+            tuple(sorted(set(adapted_projections(cfg).values()))), config.num_slots, config.adapter_slots,
+            config.adapter_rank)
+        self.slot_batched_lora = config.slot_batched_lora_over if exact else None
         self.slot_adapters = np.full(config.num_slots, NO_ADAPTER, np.int32)  # each KV slot's adapter slot
         self.loaded_adapters: list[str | None] = [None] * config.adapter_slots  # each adapter slot's fingerprint
         self.cache = init_cache(cfg, self.spec)
@@ -223,6 +233,7 @@ class Engine:
                            self.program_store)
 
         rows, width, verify = self.num_slots, self.config.rows_verify_width, self.config.verify_tokens
+        decode = {**model, "slot_batched_lora": self.slot_batched_lora}
         table: dict[ProgramKey, Program] = {}
         for attend in self.buckets:
             # Prefill attends over the bucket covering the slot's positions once its chunk is written, so a
@@ -230,12 +241,12 @@ class Engine:
             for size in self.config.chunk_sizes:
                 table["prefill", size, attend] = jit(f"prefill chunk {size} (attends {attend})", _prefill_step,
                                                      attend=attend, **model)
-            table["decode", attend] = jit(f"decode step (attends {attend})", _decode_step, attend=attend, **model)
+            table["decode", attend] = jit(f"decode step (attends {attend})", _decode_step, attend=attend, **decode)
             if self.fused_sampling:
                 for kind, needs_full in (("decode_sample", False), ("decode_sample_full", True)):
                     table[kind, attend] = jit(f"decode + sampler{' full' if needs_full else ''} (attends {attend})",
                                               _decode_sample_step, (1, 3), attend=attend, needs_full=needs_full,
-                                              **model)
+                                              **decode)
             table["prefill_rows", attend] = jit(f"batched prefill {rows} x {self.row_chunk} (attends {attend})",
                                                 _prefill_rows_step, attend=attend, **model)
             if verify > 1:
@@ -579,10 +590,10 @@ def _prefill_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, att
                          view_width=view_width, adapters=ints[2])
 
 
-def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int):
+def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int, slot_batched_lora: int | None):
     tokens, positions, active, adapters = packed[0], packed[1], packed[2], packed[3]
     return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width,
-                       adapters=adapters)
+                       adapters=adapters, slot_batched_lora=slot_batched_lora)
 
 
 def _decode_inputs(tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
@@ -598,8 +609,9 @@ def _fused_kind(needs_full: bool) -> str:
 
 
 def _decode_sample_step(params, cache, packed, sampler: SamplerState, steps, limits, *, cfg, view_width: int,
-                        attend: int, needs_full: bool):
-    logits, cache = _decode_step(params, cache, packed, cfg=cfg, view_width=view_width, attend=attend)
+                        attend: int, needs_full: bool, slot_batched_lora: int | None):
+    logits, cache = _decode_step(params, cache, packed, cfg=cfg, view_width=view_width, attend=attend,
+                                 slot_batched_lora=slot_batched_lora)
     # The barrier keeps the logits computed as the decode program computes them (nothing of the sampler fused
     # into the model's last ops), so a row samples the same bits whichever path its step took.
     logits = jax.lax.optimization_barrier(logits)

@@ -16,6 +16,7 @@ L cache positions read (an attention bucket, or a sliding view), V vocab, P per-
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -284,26 +285,68 @@ def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Ar
     return {name: arr[slot, index] for name, arr in entry.items()}, key_pos
 
 
-def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array) -> jax.Array:
+def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array, *,
+               slot_batched_over: int | None = None) -> jax.Array:
     """What each row's LoRA adapter adds to a projection of x [B, T, in] -> [B, T, out]: down [S, R, in] holds
     the slots' A matrices, up [S, out, R] their scaled B matrices (`core.lora.pack_slots`), rows [B] int32 each
     row's slot (-1: none; the caller keeps such rows as they were). A token's terms are always one `linear` pair
     with its own slot's matrices: over the one row's tokens in a single-row call, over all the call's tokens per
     slot some row uses otherwise (each token keeping its own slot's). The pairs differ between calls only in
     their row count, which changes no row's bits (tests/test_exactness.py), so a row's terms do not depend on
-    the other rows' adapters, on how its prompt was chunked, or on decode vs prefill (docs/lora.md)."""
+    the other rows' adapters, on how its prompt was chunked, or on decode vs prefill (docs/lora.md).
+
+    slot_batched_over: a call of one token per row whose rows use more slots than this computes every slot's
+    pair over all rows as one batched product (`slot_batched_terms`), which costs the same for any mix (None:
+    never). Only where that gives the pairs' bits: `slot_batched_lora_exact` asks the host at start-up."""
     b, t, _ = x.shape
     if b == 1:  # one slot's tokens (a prefill chunk, a lone verify pass): its own matrices
         slot = jnp.maximum(rows[0], 0)
         return linear(linear(x[0], down[slot]), up[slot])[None]
-    flat = x.reshape(b * t, -1)
-    owner = jnp.repeat(rows, t)  # [B*T] each token's slot
-    zeros = total = jnp.zeros((b * t, up.shape[1]), up.dtype)
-    for slot in range(down.shape[0]):  # every slot some row uses: its matrices over all tokens, kept for its rows
-        part = jax.lax.cond(jnp.any(rows == slot), lambda k=slot: linear(linear(flat, down[k]), up[k]),
-                            lambda: zeros)
+    flat, owner = x.reshape(b * t, -1), jnp.repeat(rows, t)
+    if slot_batched_over is None or t != 1:
+        return per_slot_terms(flat, owner, down, up).reshape(b, t, -1)
+    in_use = jnp.sum(jnp.any(rows[None, :] == jnp.arange(down.shape[0])[:, None], axis=1))
+    return jax.lax.cond(in_use <= slot_batched_over, per_slot_terms, slot_batched_terms, flat, owner, down,
+                        up).reshape(b, t, -1)
+
+
+def per_slot_terms(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
+    """x [N, in] -> [N, out]: each slot some token uses (owner [N]) as one `linear` pair over all N tokens
+    (skipped by lax.cond for a slot none uses), each token keeping its own slot's terms."""
+    zeros = total = jnp.zeros((x.shape[0], up.shape[1]), up.dtype)
+    for slot in range(down.shape[0]):
+        part = jax.lax.cond(jnp.any(owner == slot), lambda k=slot: linear(linear(x, down[k]), up[k]), lambda: zeros)
         total = jnp.where((owner == slot)[:, None], part, total)
-    return total.reshape(b, t, -1)
+    return total
+
+
+def slot_batched_terms(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
+    """`per_slot_terms` as two products batched over every slot ([S, N, R] then [S, N, out]), each token's
+    own slot's row kept: what a pair per slot computes where this host's batched products round as its
+    two-dimensional ones do."""
+    terms = jnp.einsum("snr,sor->sno", jnp.einsum("ni,sri->snr", x, down), up)
+    return jnp.take_along_axis(terms, jnp.maximum(owner, 0)[None, :, None], axis=0)[0]
+
+
+@functools.cache
+def slot_batched_lora_exact(shapes: tuple[tuple[int, int], ...], rows: int, slots: int, rank: int) -> bool:
+    """Whether `slot_batched_terms` gives `per_slot_terms`' bits on this host for projections of these
+    (in, out) shapes, `rows` one-token rows each under its own slot (cycling through `slots` of rank `rank`).
+    Whether XLA's batched product rounds as its two-dimensional one depends on the CPU and the row count (equal
+    up to 16 rows on an AMX Xeon, not at 24), so each engine asks at start-up (once per process and shapes);
+    random values, each shape once."""
+    rng = np.random.default_rng(0)
+    owner = jnp.arange(rows, dtype=jnp.int32) % slots
+    cases = [tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                   for shape in ((rows, d_in), (slots, rank, d_in), (slots, d_out, rank)))
+             for d_in, d_out in sorted(set(shapes))]
+
+    def agree(cases: list[tuple[jax.Array, ...]]) -> jax.Array:
+        return jnp.all(jnp.stack([jnp.array_equal(per_slot_terms(x, owner, down, up),
+                                                  slot_batched_terms(x, owner, down, up))
+                                  for x, down, up in cases]))
+
+    return bool(jax.jit(agree)(cases))
 
 
 def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: Chunk | None) -> jax.Array:
@@ -314,7 +357,8 @@ def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: 
     rows = chunk.adapters
 
     def with_terms() -> jax.Array:  # a row without an adapter keeps y's own bits (not y + 0.0: -0.0 stays)
-        delta = lora_delta(x.astype(down.dtype), down, up, rows).astype(y.dtype)
+        delta = lora_delta(x.astype(down.dtype), down, up, rows, slot_batched_over=chunk.slot_batched_lora)
+        delta = delta.astype(y.dtype)
         return jnp.where((rows >= 0)[:, None, None], y + delta, y)
 
     return jax.lax.cond(jnp.any(rows >= 0), with_terms, lambda: y)  # no adapted row: no products at all
@@ -376,6 +420,7 @@ def hidden_states(
     attend: int | None = None,
     view_width: int = 1,
     adapters: jax.Array | None = None,
+    slot_batched_lora: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T tokens per row through the embedding, every decoder layer and the final norm: (h [B, T, H], cache).
 
@@ -391,7 +436,8 @@ def hidden_states(
     New K/V are scattered into the donated cache before any layer reads it, so XLA updates it in place (a
     read before a later scatter makes it copy the whole cache), and every query reads its keys back from the
     cache in the cache's own dtype, as decode does. adapters [B] int32: each row's LoRA slot, -1 for none
-    (`lora_delta`; the slots are the layers' "lora" params; None: no row has one).
+    (`lora_delta`; the slots are the layers' "lora" params; None: no row has one); slot_batched_lora:
+    `lora_delta`'s slot_batched_over.
     """
     t = tokens.shape[1]
     dtype = params["final_norm"].dtype  # the compute dtype
@@ -404,7 +450,7 @@ def hidden_states(
         if key not in ropes:
             ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
     chunk = Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
-                  attend=attend, view_width=view_width, adapters=adapters)
+                  attend=attend, view_width=view_width, adapters=adapters, slot_batched_lora=slot_batched_lora)
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         h, cache = decoder_layer(h, cache, lp, layer, cfg, chunk, ropes[(layer.kind, layer.head_dim)],
                                  None if ple is None else ple[:, :, layer.index, :])
@@ -429,12 +475,13 @@ def prefill_chunk(
     attend: int | None = None,
     view_width: int = 1,
     adapters: jax.Array | None = None,
+    slot_batched_lora: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """A prompt chunk per row, tokens [B, T] int32 from starts [B] (n_valid [B] real, slots [B] or None,
     adapters [B] or None, as in `hidden_states`), continuing what each slot holds: (logits [B, V] float32 at
     each row's last real token, cache)."""
     h, cache = hidden_states(params, cache, tokens, starts, n_valid, slots, cfg=cfg, attend=attend,
-                             view_width=view_width, adapters=adapters)
+                             view_width=view_width, adapters=adapters, slot_batched_lora=slot_batched_lora)
     return lm_head(params, cfg, last_real_token(h, n_valid)), cache
 
 
@@ -449,12 +496,13 @@ def decode_step(
     attend: int | None = None,
     view_width: int = 1,
     adapters: jax.Array | None = None,
+    slot_batched_lora: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One token for every slot of the pool: tokens [B] int32 at positions [B] int32, active [B] (0 / 1; an
-    idle slot writes nothing), adapters [B] (each slot's LoRA slot, -1 none) or None: (logits [B, V] float32,
-    cache)."""
+    idle slot writes nothing), adapters [B] (each slot's LoRA slot, -1 none) or None, slot_batched_lora as in
+    `hidden_states`: (logits [B, V] float32, cache)."""
     return prefill_chunk(params, cache, tokens[:, None], positions, active, None, cfg=cfg, attend=attend,
-                         view_width=view_width, adapters=adapters)
+                         view_width=view_width, adapters=adapters, slot_batched_lora=slot_batched_lora)
 
 
 def sequence_logits(
@@ -512,6 +560,7 @@ class Chunk:
     attend: int | None
     view_width: int
     adapters: jax.Array | None = None  # [B] int32 each row's LoRA slot, -1 for none (`lora_delta`), or None
+    slot_batched_lora: int | None = None  # `lora_delta`'s slot_batched_over
 
 
 def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig, chunk: Chunk,

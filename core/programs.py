@@ -73,6 +73,11 @@ class Program:
         self.calls = 0  # how many times it ran
 
     @property
+    def identity(self) -> str:
+        """What names this program in the program store: its function and static arguments."""
+        return self._identity
+
+    @property
     def ready(self) -> bool:
         return self._compiled is not None
 

@@ -46,7 +46,10 @@ def setup(request, compile_cache):
     if variant:
         params, kv_dtype = to_w8a8(params), "int8"
     config = dict(num_slots=SLOTS, max_len=64, chunk_sizes=(4, 16), kv_dtype=kv_dtype, attention_buckets=())
-    adapted = Engine(cfg, params, EngineConfig(**config, adapter_slots=2, adapter_rank=RANK), "float32")
+    # A decode step of rows under both adapters computes their terms batched over the slots where the host
+    # rounds that as the per-slot pairs (`core.model.lora_delta`); a row alone keeps the pairs.
+    adapted = Engine(cfg, params, EngineConfig(**config, adapter_slots=2, adapter_rank=RANK, slot_batched_lora_over=1),
+                     "float32")
     plain = Engine(cfg, params, EngineConfig(**config), "float32")
     adapted.load_adapter(0, random_adapter(cfg, RANK, seed=1))
     adapted.load_adapter(1, random_adapter(cfg, 3, seed=2))
@@ -113,6 +116,27 @@ def test_an_adapters_prompt_gives_the_same_bits_however_it_is_split_or_decoded(s
         logits = np.asarray(adapted.decode(tokens, np.full(SLOTS, position, np.int32), active))[2]
     assert np.array_equal(logits, whole)
     adapted.use_adapter(2, NO_ADAPTER)
+
+
+def test_decode_batches_adapter_products_over_slots_only_where_the_host_probe_allows(monkeypatch):
+    """The engine asks `slot_batched_lora_exact` at start-up: where it says no, no decode program takes the
+    slot-batched form (the per-slot pairs serve every step); where yes, the decode programs are built for it,
+    under their own program identity (so a stored program of the other form is never read back)."""
+    from core import engine as engine_module
+
+    cfg = tiny("gemma3")
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=5)
+    config = EngineConfig(num_slots=SLOTS, max_len=64, chunk_sizes=(4,), attention_buckets=(), adapter_slots=2,
+                          slot_batched_lora_over=3)
+    identities = {}
+    for answer, expected in ((False, None), (True, 3)):
+        monkeypatch.setattr(engine_module, "slot_batched_lora_exact", lambda *_, answer=answer: answer)
+        engine = Engine(cfg, params, config, "float32")
+        assert engine.slot_batched_lora == expected
+        identities[answer] = engine.programs["decode", 64].identity
+    assert identities[False] != identities[True]
+    assert Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=64, chunk_sizes=(4,), attention_buckets=()),
+                  "float32").slot_batched_lora is None  # no adapter slots: no probe, no form
 
 
 def test_loading_an_adapter_changes_no_program_and_unloading_restores_the_base(setup):
