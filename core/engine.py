@@ -70,8 +70,8 @@ class EngineConfig:
     adapter_slots: int = 0
     adapter_rank: int = 16  # every slot holds an adapter of up to this rank (smaller ones are zero-padded)
     # A decode step whose rows use more adapter slots than this computes their products batched over all slots
-    # (where the host rounds that as the per-slot pairs, `core.model.lora_delta`): per-slot pairs cost ~4.5 ms
-    # per slot in use on the default model, the batched form ~24 ms whatever the mix (docs/lora.md).
+    # (where the host rounds that as the per-slot pairs, `core.model.lora_delta`): on the default model per-slot
+    # pairs add ~4.5 ms per slot in use to a step, the batched form ~30 ms whatever the mix (docs/lora.md).
     slot_batched_lora_over: int = 4
 
     def __post_init__(self) -> None:
