@@ -209,15 +209,15 @@ def disk_tier_dir(option: str | None) -> str | None:
 
 
 def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *,
-                     bridge_now: bool = True) -> GrammarCompiler:
-    """The grammar compiler with its tokenizer bridge (the slow part: a pass over the vocabulary) built, or
-    being built on its own worker unless ``bridge_now``."""
+                     bridge_after: Callable[[], bool] | None = None) -> GrammarCompiler:
+    """The grammar compiler with its tokenizer bridge (the slow part: a pass over the vocabulary) built, or,
+    given ``bridge_after``, built on its own worker once that returns True."""
     compiler = GrammarCompiler(tokenizer, options.grammar_backend, compile_timeout_s=options.grammar_compile_timeout_s,
                                max_schema_bytes=options.max_schema_bytes, vocab_size=vocab_size)
-    if bridge_now:
+    if bridge_after is None:
         compiler.warm_up()
     else:
-        compiler.warm_up_in_background()
+        compiler.warm_up_in_background(bridge_after)
     return compiler
 
 
@@ -262,13 +262,14 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
 
     # The tokenizer loads while the compile threads wait on XLA, which runs outside the GIL.
     engine.warmup(compiling if progress else None, background=options.background_compile,
-                  meanwhile=lambda: model.tokenizer)
+                  meanwhile=lambda: model.tokenizer, first_runs=True)
     # The grammar tokenizer bridge is seconds of work holding the GIL: with a background warm-up it is built
-    # after ready, like the larger programs (a constrained request meanwhile waits for it).
+    # after ready once nothing has been served for a while, like the programs nobody asked for (a constrained
+    # request meanwhile builds it or waits for it).
     if progress and not options.background_compile:
         progress("build the grammar tokenizer bridge")
     compiler = grammar_compiler(model.tokenizer, options, model.cfg.vocab_size,
-                                bridge_now=not options.background_compile)
+                                bridge_after=engine.wait_quiet if options.background_compile else None)
     return assemble_runtime(engine, model.tokenizer, options, compiler=compiler, model_name=str(options.model),
                             dtype_reason=model.dtype_reason, precision=model.precision,
                             precision_reason=model.precision_reason, kv_dtype_reason=kv_reason,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 # Programs that only speed up what other programs also do (a verify step is a few decode steps, a batched
 # prefill several single ones): a background warm-up compiles them after reporting ready.
 OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "decode_sample_full")
+# Programs `run_idle` can run without changing any state: model steps with every row idle, samplers on a copy.
+IDLE_RUN_KINDS = ("sample", "sample_row", "prefill", "prefill_rows", "decode", "verify", "verify_rows")
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
 NO_ADAPTER = -1  # a KV slot whose rows get no LoRA terms
@@ -304,13 +307,16 @@ class Engine:
         return jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.float32), sampler, i32(), i32(), mask, i32()
 
     def _first_needed(self, key: ProgramKey) -> bool:
-        """Whether a background warm-up compiles this program before reporting ready: what a short first
-        request runs (every sampler, the smallest prefill chunk and the decode step over the smallest
-        bucket). The rest follow on the background thread, the smallest bucket first; a request needing
-        one of them waits for it, and the speedups (speculative verification, batched prefill) are left
-        out until theirs are compiled."""
+        """Whether a background warm-up compiles this program before reporting ready: what short first
+        requests run (every sampler, the smallest prefill chunk, the decode step over the smallest bucket,
+        and there the batched prefill and batched verify that several of them arriving together use: a
+        restarted server's first wave of streams runs at full speed). The rest follow on the background
+        thread, the smallest bucket first; a request needing one of them waits for it, and the other
+        speedups (speculative verification of a lone stream, larger buckets) are left out until theirs are
+        compiled."""
         first = self.buckets[0]
-        return (key[0] in ("sample", "sample_row") or key == ("decode", first)
+        return (key[0] in ("sample", "sample_row") or key in {("decode", first), ("prefill_rows", first),
+                                                               ("verify_rows", first)}
                 or key == ("prefill", self.config.chunk_sizes[0], first))
 
     def _background_order(self, key: ProgramKey) -> tuple[int, bool]:
@@ -318,18 +324,60 @@ class Engine:
         return key[-1], key[0] in OPTIONAL_KINDS
 
     def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False,
-               meanwhile: Callable[[], None] | None = None) -> float:
-        """Compile every step ahead (`ProgramTable.warmup`); seconds spent before returning."""
-        return self.programs.warmup(progress, background, meanwhile)
+               meanwhile: Callable[[], None] | None = None, first_runs: bool = False) -> float:
+        """Compile every step ahead (`ProgramTable.warmup`); with ``first_runs``, then run once each program
+        a short first request runs (`run_idle`): a program's first run on XLA:CPU carries one-time set-up
+        (~0.4 s per program for the default model) that a restarted server's first requests would otherwise
+        wait for. The others pay theirs at their first real run: run ahead on an idle server, a long one
+        (a large prefill chunk: up to ~1.7 s) would hold up a request arriving meanwhile. Seconds spent
+        before returning."""
+        seconds = self.programs.warmup(progress, background, meanwhile)
+        if first_runs:
+            begin = time.perf_counter()
+            self.run_idle([key for key in self.programs if self._first_needed(key) and not self.programs[key].calls])
+            # and the first install of a request's sampling parameters (its own jitted update)
+            jax.block_until_ready(set_slot(jax.tree_util.tree_map(jnp.copy, self.sampler), 0, SamplingParams(), [], 0))
+            seconds += time.perf_counter() - begin
+        return seconds
+
+    def run_idle(self, keys: list[ProgramKey]) -> None:
+        """Run each program once on inputs that change nothing: model steps with every row idle (no token,
+        so no KV is written), samplers on a copy of the sampler state (their results are dropped)."""
+        def zeros(arg: Any) -> Any:
+            return None if arg is None else np.zeros(arg.shape, arg.dtype)
+
+        for key in keys:
+            example, program = self._example_args(key), self.programs[key]
+            if key[0] not in IDLE_RUN_KINDS:
+                raise ValueError(f"no idle run for {key[0]} programs")
+            if key[0] in ("sample", "sample_row"):
+                sampler = jax.tree_util.tree_map(jnp.copy, self.sampler)
+                jax.block_until_ready(program(zeros(example[0]), sampler, *map(zeros, example[2:])))
+            else:
+                *_, self.cache = program(self.params, self.cache, *map(zeros, example[2:]))
+                jax.block_until_ready(self.cache)
 
     @property
     def compile_seconds(self) -> float:
         return self.programs.compile_seconds
 
+    def serving(self, busy: bool) -> None:
+        """The caller runs steps (True) or waits for work (False): a background warm-up loads only the
+        programs a step asked for while it runs steps (`ProgramTable.serving`)."""
+        self.programs.serving(busy)
+
+    def wait_quiet(self) -> bool:
+        """Block until no step has run for a while (`ProgramTable.wait_quiet`): when start-up work that
+        competes with steps for the cores may run. False: the engine is stopping."""
+        return self.programs.wait_quiet()
+
     def compiled_for(self, kind: str, positions: list[int] | np.ndarray) -> bool:
         """Whether the ``kind`` program (one of OPTIONAL_KINDS) covering these positions is compiled, so a
-        scheduler can leave a speedup out rather than wait for it."""
-        program = self.programs.get((kind, self.bucket_for(np.asarray(positions))))
+        scheduler can leave a speedup out rather than wait for it; if not, a background warm-up loads it next."""
+        key = (kind, self.bucket_for(np.asarray(positions)))
+        program = self.programs.get(key)
+        if program is not None and not program.ready:
+            self.programs.want(key)
         return program is not None and program.ready
 
     # ---- prefill / decode --------------------------------------------------------------------

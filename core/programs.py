@@ -29,6 +29,10 @@ ProgramKey = tuple[Hashable, ...]  # (kind, then the sizes that fix its shapes),
 # Programs compiled at once during warm-up: tracing holds the GIL while XLA's compiler and the compilation
 # cache's loading do not, so two threads overlap one program's tracing with another's compile or load.
 COMPILE_THREADS = 2
+# Work that may wait (programs nobody asked for, the grammar bridge) starts only after the caller has served
+# nothing for this long: a restarted server's first requests arrive right after ready, and a load already
+# started (~0.5 s of CPU, not interruptible) would compete with them.
+QUIET_S = 2.0
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _hits: collections.Counter[int] = collections.Counter()  # thread id -> XLA cache hits, to tell what was loaded
 # One program is traced and lowered at a time, in any thread. JAX's tracing caches are shared between
@@ -134,6 +138,11 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         self._order = order
         self.background: threading.Thread | None = None  # the background warm-up, once started
         self._stop = threading.Event()  # set by `stop_background`: compile no further program
+        self._wake = threading.Condition()  # guards the two below; notified when either changes or on stop
+        self._serving = False  # the caller has work: load only what is wanted
+        self._idle_since = time.monotonic()  # when the caller last stopped serving
+        self._loop_started = False  # a caller has reported serving or waiting at least once
+        self._wanted: list[ProgramKey] = []  # asked for by a caller, loaded first, serving or not
         self.compile_seconds = 0.0  # spent in `warmup` before it returned
         self.warmup_seconds: dict[str, float] = {}  # per program name, as each is compiled
 
@@ -182,24 +191,76 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         self.warmup_seconds[program.name] = program.compile_seconds or 0.0
         return program.name
 
+    def serving(self, busy: bool) -> None:
+        """The caller has work (True) or waits for it (False). While it has work, a background warm-up loads
+        only the programs it `want`s, so that loading does not slow the steps it runs meanwhile."""
+        with self._wake:
+            if not busy:  # quiet counts from here (also from a serving loop's start)
+                self._idle_since = time.monotonic()
+            self._serving, self._loop_started = busy, True
+            self._wake.notify_all()
+
+    def _quiet_for(self) -> float:
+        """Seconds until the caller has been idle for `QUIET_S` (0: it has); call holding ``_wake``."""
+        return 1.0 if self._serving else max(0.0, self._idle_since + QUIET_S - time.monotonic())
+
+    def wait_quiet(self) -> bool:
+        """Block until a serving loop has started and served nothing for `QUIET_S` seconds, when other
+        start-up work (the grammar bridge) may take the cores: True; False if the warm-up was stopped first."""
+        with self._wake:
+            while not self._stop.is_set() and (not self._loop_started or (wait := self._quiet_for()) > 0):
+                self._wake.wait(wait if self._loop_started and not self._serving else None)
+            return not self._stop.is_set()
+
+    def want(self, key: ProgramKey) -> None:
+        """A caller would run this program now if it were ready (a speedup left out meanwhile): a background
+        warm-up loads it next, serving or not."""
+        if key in self._programs and not self._programs[key].ready:
+            with self._wake:
+                if key not in self._wanted:
+                    self._wanted.append(key)
+                    self._wake.notify_all()
+
+    def _next_later(self, keys: list[ProgramKey]) -> ProgramKey | None:
+        """The background warm-up's next program: a wanted one, else the next of ``keys`` (in order) once the
+        caller has been idle `QUIET_S`; None when stopped or done. Blocks meanwhile."""
+        with self._wake:
+            while not self._stop.is_set():
+                wanted = [key for key in self._wanted if not self._programs[key].ready]
+                self._wanted = wanted[1:]
+                if wanted:
+                    return wanted[0]
+                while keys and self._programs[keys[0]].ready:  # compiled meanwhile by a call needing it
+                    keys.pop(0)
+                if not keys:
+                    return None
+                wait = self._quiet_for()
+                if wait == 0:
+                    return keys.pop(0)
+                self._wake.wait(None if self._serving else wait)
+            return None
+
     def _compile_later(self, keys: list[ProgramKey]) -> None:
-        begin = time.perf_counter()
+        begin, left = time.perf_counter(), list(keys)
         try:
-            for key in keys:
-                if self._stop.is_set():
-                    log.info("background compilation stopped before %s", self._programs[key].name)
-                    return
+            while (key := self._next_later(left)) is not None:
                 self._compile(key)
         except Exception:  # a call needing the program compiles it itself (and reports what fails)
             log.exception("background compilation stopped")
             return
-        log.info("compiled %d more programs in the background in %.1f s", len(keys), time.perf_counter() - begin)
+        if self._stop.is_set():
+            log.info("background compilation stopped with %d programs left", sum(not p.ready for p in self.values()))
+        else:
+            log.info("compiled %d more programs in the background in %.1f s", len(keys),
+                     time.perf_counter() - begin)
 
     def stop_background(self, timeout: float) -> bool:
         """Let a background warm-up finish the program it is compiling and start no other; wait up to
         ``timeout`` seconds for it. A daemon thread still inside XLA's compiler when the interpreter exits
         aborts the process, so whoever stops the engine calls this. Returns whether no warm-up is left."""
-        self._stop.set()
+        with self._wake:
+            self._stop.set()
+            self._wake.notify_all()
         if self.background is not None:
             self.background.join(timeout)
             return not self.background.is_alive()

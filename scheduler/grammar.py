@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,10 +138,28 @@ class GrammarCompiler:
         self._backend.warm_up()
         self.quote_tokens()
 
-    def warm_up_in_background(self) -> Future[None]:
-        """Build the tokenizer bridge on a compile worker; a compile submitted meanwhile waits for it (its
-        time counts against that compile's timeout)."""
-        return self._pool.submit(self.warm_up)
+    def warm_up_in_background(self, after: Callable[[], bool] | None = None) -> Future[None]:
+        """Build the tokenizer bridge on a compile worker once ``after`` returns True (a server passes "when
+        no step has run for a while": the bridge is seconds of Python holding the GIL; False: never, the
+        future is cancelled); a compile submitted meanwhile builds it or waits for it (its time counts
+        against that compile's timeout)."""
+        if after is None:
+            return self._pool.submit(self.warm_up)
+        built: Future[None] = Future()
+
+        def when_ready() -> None:
+            if not after():
+                built.cancel()
+                return
+            try:
+                done = self._pool.submit(self.warm_up)
+            except RuntimeError as e:  # closed meanwhile
+                built.set_exception(e)
+                return
+            done.add_done_callback(lambda f: _pass_on(f, built))
+
+        threading.Thread(target=when_ready, name="grammar-bridge-wait", daemon=True).start()
+        return built
 
     def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
         """The compiled grammar for ``spec`` (blocking); raises UnsupportedConstraintError."""
@@ -297,3 +316,13 @@ def fill_masks(rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> N
     words = bitmask.view(np.uint32)
     for matcher, row in oc_rows:
         matcher.fill_row(words[row])
+
+
+def _pass_on(source: Future[None], target: Future[None]) -> None:
+    """Settle ``target`` as ``source`` settled."""
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(None)

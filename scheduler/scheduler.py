@@ -245,19 +245,29 @@ class Scheduler:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        busy = False
+        self.engine.serving(False)  # quiet counts from the loop's start: first requests come right after
         try:
             while not self._stopping.is_set():
                 if not self._has_work():
+                    if busy:  # a background warm-up may load programs while nothing is served
+                        busy = False
+                        self.engine.serving(False)
                     try:
                         self.admission.add(self._inbox.get(timeout=IDLE_POLL_S))
                     except queue.Empty:
                         self.snapshots.when_idle(self)
                         continue
+                if not busy:
+                    busy = True
+                    self.engine.serving(True)
                 self.step()
         except BaseException as e:  # noqa: BLE001 - the loop is dead: say why, end every stream, tell the owner
             self.failure = f"{type(e).__name__}: {e}"
             log.exception("the engine loop died")
         finally:
+            if busy:
+                self.engine.serving(False)
             self._shutdown()
         if self.failure is not None and self.on_failure is not None:
             self.on_failure(self.failure)

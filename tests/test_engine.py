@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.engine import Engine, EngineConfig
+from core.engine import IDLE_RUN_KINDS, Engine, EngineConfig
 from core.kv_cache import CacheSpec, init_cache
 from core.model import sequence_logits
 from core.weights import random_params
@@ -414,3 +414,59 @@ def test_stopping_the_background_warmup_ends_it_after_the_program_it_is_compilin
     prompt = np.random.default_rng(9).integers(3, cfg.vocab_size, size=40)  # needs programs of the 64 bucket
     assert len(greedy(eng, 0, prompt, 3)) == 3
     assert ("decode", 64) in left and eng.programs["decode", 64].ready  # left out, then compiled on demand
+
+
+def state_of(engine: Engine) -> list[np.ndarray]:
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(jax.device_get((engine.cache, engine.sampler)))]
+
+
+def assert_idle_runs_change_nothing(engine: Engine) -> None:
+    """`run_idle` on every program it can run leaves every slot's KV and the sampler state as they were, and
+    counts a run of each (so the planner leaves the next, real, run in its step times)."""
+    from core.sampling import SamplingParams
+
+    engine.prefill(1, np.arange(3, 3 + 2 * W + 1), 0)
+    engine.begin_request(1, SamplingParams(temperature=0.7, repetition_penalty=1.2), [5, 6], seed=9)
+    before = state_of(engine)
+    keys = [key for key in engine.programs if key[0] in IDLE_RUN_KINDS]
+    calls = {key: engine.programs[key].calls for key in keys}
+    engine.run_idle(keys)
+    assert all(engine.programs[key].calls == calls[key] + 1 for key in keys)
+    assert all(np.array_equal(a, b) for a, b in zip(before, state_of(engine), strict=True))
+
+
+def test_idle_runs_of_every_program_change_no_state(setup):
+    _, engine, _ = setup
+    assert {key[0] for key in engine.programs} >= {"sample", "sample_row", "prefill", "prefill_rows", "decode",
+                                                    "verify"}
+    assert_idle_runs_change_nothing(engine)
+    with pytest.raises(ValueError, match="no idle run"):
+        engine.run_idle([("copy", BUCKETS[0])])
+
+
+def test_idle_runs_of_batched_verify_under_adapters_change_no_state(compile_cache):
+    from test_batched_verify import exact_engine
+    from test_lora_engine import random_adapter
+
+    cfg = model_config("gemma3")
+    engine = exact_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
+                          chunks=(4, 8, 16), adapter_slots=2)
+    engine.load_adapter(0, random_adapter(cfg, 8, seed=1))
+    engine.use_adapter(1, 0)
+    assert any(key[0] == "verify_rows" for key in engine.programs)
+    assert_idle_runs_change_nothing(engine)
+
+
+def test_first_runs_before_ready_run_what_a_first_request_runs(compile_cache):
+    """With first runs, ready means the first requests' programs have run once (their one-time set-up paid,
+    outside any request); the others keep theirs for their first real run."""
+    cfg = model_config("gemma3")
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=3)
+    config = EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=(4, 16), attention_buckets=(16, 32, 64),
+                          verify_width=VERIFY)
+    eng = Engine(cfg, params, config, "float32")
+    eng.warmup(background=True, first_runs=True)
+    first = {key for key in eng.programs if eng._first_needed(key)}
+    assert {("decode", 16), ("prefill", 4, 16), ("prefill_rows", 16)} <= first
+    assert {key for key in eng.programs if eng.programs[key].calls} == first
+    assert eng.programs.stop_background(timeout=120)

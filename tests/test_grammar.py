@@ -10,6 +10,7 @@ import copy
 import json
 import threading
 import time
+from concurrent.futures import wait
 
 import numpy as np
 import pytest
@@ -149,6 +150,33 @@ def test_a_schema_compiled_while_the_bridge_builds_in_the_background_waits_for_i
         assert (bits[: tokenizer.vocab_size] == mask_after(compiler, spec, [])).all()
     finally:
         later.close()
+
+
+def test_a_bridge_held_back_until_quiet_is_built_by_a_compile_that_needs_it_or_never(tokenizer, compiler):
+    """The server holds the bridge back while it serves: a constrained request meanwhile builds it itself
+    (the same grammar); a server stopping first never builds it."""
+    gate = threading.Event()
+    later = GrammarCompiler(tokenizer, vocab_size=tokenizer.vocab_size + 33)  # a size no bridge exists for yet
+    try:
+        building = later.warm_up_in_background(lambda: gate.wait(60))
+        spec = ConstraintSpec.regex("[a-z ]+")
+        matcher = later.matcher(later.compile(spec))
+        assert not building.done()  # still held back: the compile built what it needed
+        mask = np.zeros((1, (later.vocab_size + 31) // 32), np.uint32)
+        fill_masks([(matcher, 0)], mask)
+        bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little").astype(bool)
+        assert (bits[: tokenizer.vocab_size] == mask_after(compiler, spec, [])).all()
+        gate.set()
+        assert building.result(timeout=60) is None
+    finally:
+        later.close()
+    never = GrammarCompiler(tokenizer, vocab_size=tokenizer.vocab_size + 34)
+    try:
+        given_up = never.warm_up_in_background(lambda: False)
+        wait([given_up], timeout=10)
+        assert given_up.cancelled()
+    finally:
+        never.close()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ fairness, bounded queue, cancellation and stop strings."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -237,6 +238,28 @@ def test_threaded_loop_serves_sync_and_asyncio_callers(engine, tokenizer):
         assert asyncio.run(stream()) == expected
     finally:
         sched.stop()
+
+
+def test_the_engine_loop_tells_the_engine_when_it_serves_and_when_it_waits(engine, tokenizer, monkeypatch):
+    """A background warm-up holds back unrequested programs while steps run (core.programs.ProgramTable):
+    the loop says so when work arrives and again when it runs out, once each, also when stopped busy."""
+    calls: list[bool] = []
+    monkeypatch.setattr(engine, "serving", calls.append)
+    sched = make(engine, tokenizer)
+    sched.start()
+    try:
+        sched.submit(request(ids(16, 9), max_tokens=3)).result(timeout=60)
+        deadline = time.monotonic() + 10
+        while calls != [False, True, False] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == [False, True, False]  # quiet counts from the loop's start, then from each pause
+        sched.submit(request(ids(16, 10), max_tokens=400))
+        deadline = time.monotonic() + 10
+        while len(calls) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    assert calls == [False, True, False, True, False]
 
 
 def test_speedups_wait_until_their_programs_are_compiled(engine, tokenizer):

@@ -1,0 +1,96 @@
+"""The background warm-up's order (core.programs.ProgramTable): while the engine serves, it loads only the
+programs a step asked for, those first, and everything else once serving pauses, so that a restart's loading
+does not slow the streams it serves meanwhile."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from core.programs import Program, ProgramTable
+
+KEYS = [("step", i) for i in range(5)]
+
+
+def table_of() -> tuple[dict, ProgramTable]:
+    """Five tiny programs; the first is needed before ready, the rest load in key order."""
+    programs = {key: Program(str(key), jax.jit(lambda x, i=key[1]: x + i)) for key in KEYS}
+    return programs, ProgramTable(programs, lambda key: (np.int32(0),), lambda key: key == KEYS[0], lambda key: key)
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def loaded(programs: dict) -> list[tuple[str, int]]:
+    return [key for key in KEYS if programs[key].ready]
+
+
+def test_while_serving_the_warmup_loads_only_what_a_step_wants_then_the_rest_once_idle():
+    programs, table = table_of()
+    table.serving(True)
+    table.warmup(background=True)
+    time.sleep(0.5)  # a tiny program loads in milliseconds: a warm-up not held back would have loaded them
+    assert loaded(programs) == [KEYS[0]]
+    table.want(KEYS[3])  # wanted out of order: loaded before KEYS[1] and KEYS[2], serving or not
+    wait_for(lambda: programs[KEYS[3]].ready)
+    time.sleep(0.2)
+    assert loaded(programs) == [KEYS[0], KEYS[3]]
+    table.serving(False)
+    table.background.join(timeout=60)
+    assert loaded(programs) == KEYS
+
+
+def test_a_program_wanted_while_idle_jumps_the_queue_and_a_call_still_loads_what_it_needs():
+    programs, table = table_of()
+    table.serving(True)
+    table.warmup(background=True)
+    assert int(programs[KEYS[2]](np.int32(1))) == 3  # a call loads its own program on the calling thread
+    table.want(KEYS[4])
+    table.want(KEYS[2])  # already loaded: nothing to do
+    wait_for(lambda: programs[KEYS[4]].ready)
+    assert loaded(programs) == [KEYS[0], KEYS[2], KEYS[4]]
+    table.serving(False)
+    table.background.join(timeout=60)
+    assert loaded(programs) == KEYS
+
+
+def test_stopping_wakes_a_warmup_held_back_by_serving():
+    programs, table = table_of()
+    table.serving(True)
+    table.warmup(background=True)
+    assert table.stop_background(timeout=10)  # it was waiting, not loading
+    assert loaded(programs) == [KEYS[0]]
+
+
+def test_quiet_means_nothing_served_for_a_while_and_stopping_ends_the_wait():
+    """What waits for quiet (the grammar bridge) starts QUIET_S after the last step, never while serving nor
+    before a serving loop has started (its first requests arrive right after ready)."""
+    import threading
+
+    from core.programs import QUIET_S
+
+    _, table = table_of()
+    answers: list[tuple[bool, float]] = []
+    waiter = threading.Thread(target=lambda: answers.append((table.wait_quiet(), time.monotonic())))
+    waiter.start()
+    time.sleep(QUIET_S + 0.2)
+    assert not answers  # no loop yet
+    table.serving(True)
+    time.sleep(0.3)
+    assert not answers  # serving: still waiting
+    idle_at = time.monotonic()
+    table.serving(False)
+    waiter.join(timeout=10)
+    assert answers[0][0] and answers[0][1] - idle_at >= QUIET_S * 0.9
+    table.serving(True)
+    waiter = threading.Thread(target=lambda: answers.append((table.wait_quiet(), time.monotonic())))
+    waiter.start()
+    table.stop_background(timeout=1)
+    waiter.join(timeout=10)
+    assert answers[1][0] is False
