@@ -34,8 +34,6 @@ log = logging.getLogger(__name__)
 # Programs that only speed up what other programs also do (a verify step is a few decode steps, a batched
 # prefill several single ones): a background warm-up compiles them after reporting ready.
 OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "decode_sample_full")
-# Programs `run_idle` can run without changing any state: model steps with every row idle, samplers on a copy.
-IDLE_RUN_KINDS = ("sample", "sample_row", "prefill", "prefill_rows", "decode", "verify", "verify_rows")
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
 NO_ADAPTER = -1  # a KV slot whose rows get no LoRA terms
@@ -325,37 +323,34 @@ class Engine:
 
     def warmup(self, progress: Callable[[str, int, int], None] | None = None, background: bool = False,
                meanwhile: Callable[[], None] | None = None, first_runs: bool = False) -> float:
-        """Compile every step ahead (`ProgramTable.warmup`); with ``first_runs``, then run once each program
-        a short first request runs (`run_idle`): a program's first run on XLA:CPU carries one-time set-up
-        (~0.4 s per program for the default model) that a restarted server's first requests would otherwise
-        wait for. The others pay theirs at their first real run: run ahead on an idle server, a long one
-        (a large prefill chunk: up to ~1.7 s) would hold up a request arriving meanwhile. Seconds spent
-        before returning."""
+        """Compile every step ahead (`ProgramTable.warmup`); with ``first_runs``, each program also runs once
+        right after it is compiled (`first_run`), before ready or on the background thread, and so does the
+        install of a request's sampling parameters. Seconds spent before returning."""
+        self.programs.first_run = self.first_run if first_runs else None
         seconds = self.programs.warmup(progress, background, meanwhile)
         if first_runs:
             begin = time.perf_counter()
-            self.run_idle([key for key in self.programs if self._first_needed(key) and not self.programs[key].calls])
-            # and the first install of a request's sampling parameters (its own jitted update)
-            jax.block_until_ready(set_slot(jax.tree_util.tree_map(jnp.copy, self.sampler), 0, SamplingParams(), [], 0))
+            zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract(self.sampler))
+            jax.block_until_ready(set_slot(zeros, 0, SamplingParams(), [], 0))
             seconds += time.perf_counter() - begin
         return seconds
 
-    def run_idle(self, keys: list[ProgramKey]) -> None:
-        """Run each program once on inputs that change nothing: model steps with every row idle (no token,
-        so no KV is written), samplers on a copy of the sampler state (their results are dropped)."""
-        def zeros(arg: Any) -> Any:
-            return None if arg is None else np.zeros(arg.shape, arg.dtype)
+    def first_run(self, key: ProgramKey) -> None:
+        """Run program ``key`` once on throwaway inputs: zeros everywhere (a scratch KV cache and sampler
+        state of their own, which the program may donate) but the parameters, which are read, never donated.
+        A program's first run on XLA:CPU carries one-time set-up (~0.4 s per program of the default model,
+        more for a large prefill chunk) that a request would otherwise wait for. It touches no live buffer,
+        so it may run on the warm-up thread while the engine serves."""
+        params = jax.tree_util.tree_structure(self.params)
 
-        for key in keys:
-            example, program = self._example_args(key), self.programs[key]
-            if key[0] not in IDLE_RUN_KINDS:
-                raise ValueError(f"no idle run for {key[0]} programs")
-            if key[0] in ("sample", "sample_row"):
-                sampler = jax.tree_util.tree_map(jnp.copy, self.sampler)
-                jax.block_until_ready(program(zeros(example[0]), sampler, *map(zeros, example[2:])))
-            else:
-                *_, self.cache = program(self.params, self.cache, *map(zeros, example[2:]))
-                jax.block_until_ready(self.cache)
+        def stand_in(arg: Any) -> Any:
+            if arg is None:
+                return None
+            if jax.tree_util.tree_structure(arg) == params:
+                return self.params
+            return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), arg)
+
+        jax.block_until_ready(self.programs[key](*map(stand_in, self._example_args(key))))
 
     @property
     def compile_seconds(self) -> float:

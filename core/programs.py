@@ -143,6 +143,9 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         self._idle_since = time.monotonic()  # when the caller last stopped serving
         self._loop_started = False  # a caller has reported serving or waiting at least once
         self._wanted: list[ProgramKey] = []  # asked for by a caller, loaded first, serving or not
+        # Called with a program's key right after warm-up compiles it, unless a call ran it meanwhile (the
+        # engine's `first_run`: one run on throwaway inputs, so that requests never pay a first run's set-up).
+        self.first_run: Callable[[ProgramKey], None] | None = None
         self.compile_seconds = 0.0  # spent in `warmup` before it returned
         self.warmup_seconds: dict[str, float] = {}  # per program name, as each is compiled
 
@@ -189,6 +192,8 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         program = self._programs[key]
         program.compile(*self._example_args(key))
         self.warmup_seconds[program.name] = program.compile_seconds or 0.0
+        if self.first_run is not None and program.calls == 0:
+            self.first_run(key)
         return program.name
 
     def serving(self, busy: bool) -> None:

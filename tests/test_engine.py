@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.engine import IDLE_RUN_KINDS, Engine, EngineConfig
+from core.engine import Engine, EngineConfig
 from core.kv_cache import CacheSpec, init_cache
 from core.model import sequence_logits
 from core.weights import random_params
@@ -420,31 +420,25 @@ def state_of(engine: Engine) -> list[np.ndarray]:
     return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(jax.device_get((engine.cache, engine.sampler)))]
 
 
-def assert_idle_runs_change_nothing(engine: Engine) -> None:
-    """`run_idle` on every program it can run leaves every slot's KV and the sampler state as they were, and
-    counts a run of each (so the planner leaves the next, real, run in its step times)."""
+def test_first_runs_run_every_program_once_on_throwaway_state(setup):
+    """A first run (one run right after compiling, so that no request pays XLA:CPU's one-time set-up) gets
+    zeros but the parameters: every slot's KV and the sampler state stay as they were, for every kind."""
     from core.sampling import SamplingParams
 
+    _, engine, _ = setup
     engine.prefill(1, np.arange(3, 3 + 2 * W + 1), 0)
     engine.begin_request(1, SamplingParams(temperature=0.7, repetition_penalty=1.2), [5, 6], seed=9)
     before = state_of(engine)
-    keys = [key for key in engine.programs if key[0] in IDLE_RUN_KINDS]
-    calls = {key: engine.programs[key].calls for key in keys}
-    engine.run_idle(keys)
-    assert all(engine.programs[key].calls == calls[key] + 1 for key in keys)
+    kinds = {key[0] for key in engine.programs}
+    assert kinds >= {"sample", "sample_row", "prefill", "prefill_rows", "decode", "verify", "read", "write", "copy"}
+    calls = {key: engine.programs[key].calls for key in engine.programs}
+    for key in engine.programs:
+        engine.first_run(key)
+    assert all(engine.programs[key].calls == calls[key] + 1 for key in engine.programs)
     assert all(np.array_equal(a, b) for a, b in zip(before, state_of(engine), strict=True))
 
 
-def test_idle_runs_of_every_program_change_no_state(setup):
-    _, engine, _ = setup
-    assert {key[0] for key in engine.programs} >= {"sample", "sample_row", "prefill", "prefill_rows", "decode",
-                                                    "verify"}
-    assert_idle_runs_change_nothing(engine)
-    with pytest.raises(ValueError, match="no idle run"):
-        engine.run_idle([("copy", BUCKETS[0])])
-
-
-def test_idle_runs_of_batched_verify_under_adapters_change_no_state(compile_cache):
+def test_first_runs_of_batched_verify_under_adapters_leave_the_state_alone(compile_cache):
     from test_batched_verify import exact_engine
     from test_lora_engine import random_adapter
 
@@ -453,13 +447,18 @@ def test_idle_runs_of_batched_verify_under_adapters_change_no_state(compile_cach
                           chunks=(4, 8, 16), adapter_slots=2)
     engine.load_adapter(0, random_adapter(cfg, 8, seed=1))
     engine.use_adapter(1, 0)
-    assert any(key[0] == "verify_rows" for key in engine.programs)
-    assert_idle_runs_change_nothing(engine)
+    engine.prefill(1, np.arange(3, 3 + 2 * W + 1), 0)
+    before = state_of(engine)
+    keys = [key for key in engine.programs if key[0] == "verify_rows"]
+    assert keys
+    for key in keys:
+        engine.first_run(key)
+    assert all(np.array_equal(a, b) for a, b in zip(before, state_of(engine), strict=True))
 
 
-def test_first_runs_before_ready_run_what_a_first_request_runs(compile_cache):
-    """With first runs, ready means the first requests' programs have run once (their one-time set-up paid,
-    outside any request); the others keep theirs for their first real run."""
+def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache):
+    """Before ready for the first requests' programs, on the background thread for the rest: no request
+    waits for a program's first-run set-up, and a program a call ran first is not run again."""
     cfg = model_config("gemma3")
     params = random_params(cfg, std=0.1, norm_std=0.1, seed=3)
     config = EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=(4, 16), attention_buckets=(16, 32, 64),
@@ -468,5 +467,6 @@ def test_first_runs_before_ready_run_what_a_first_request_runs(compile_cache):
     eng.warmup(background=True, first_runs=True)
     first = {key for key in eng.programs if eng._first_needed(key)}
     assert {("decode", 16), ("prefill", 4, 16), ("prefill_rows", 16)} <= first
-    assert {key for key in eng.programs if eng.programs[key].calls} == first
-    assert eng.programs.stop_background(timeout=120)
+    assert all(eng.programs[key].calls == 1 for key in first)
+    eng.programs.background.join(timeout=300)
+    assert all(program.calls == 1 for program in eng.programs.values())

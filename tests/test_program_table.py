@@ -94,3 +94,17 @@ def test_quiet_means_nothing_served_for_a_while_and_stopping_ends_the_wait():
     table.stop_background(timeout=1)
     waiter.join(timeout=10)
     assert answers[1][0] is False
+
+
+def test_the_first_run_hook_follows_each_compile_unless_a_call_ran_the_program_first():
+    programs, table = table_of()
+    ran: list[tuple[str, int]] = []
+    table.first_run = lambda key: ran.append(key) or programs[key](np.int32(0))
+    table.serving(True)
+    table.warmup(background=True)
+    assert ran == [KEYS[0]]  # before ready
+    programs[KEYS[2]](np.int32(1))  # a call compiles and runs it first
+    table.serving(False)
+    table.background.join(timeout=60)
+    assert ran == [KEYS[0], KEYS[1], KEYS[3], KEYS[4]]
+    assert all(program.calls == 1 for program in programs.values())

@@ -137,6 +137,20 @@ def test_new_request_joins_the_running_batch(engine, tokenizer):
     sched.run_until_idle()
 
 
+def test_leftover_budget_is_not_cut_into_smallest_chunks_of_a_long_prompt(engine, tokenizer):
+    """Per token a smallest chunk costs about twice a larger one on CPU: once a prompt is planned, what is left
+    of the budget does not start another prompt in smallest chunks that a larger chunk would take whole next
+    iteration (a prompt's own short tail still runs in them), and the outputs are the cold ones."""
+    sched = make(engine, tokenizer, prefill_budget=24)  # chunks (4, 16)
+    short, long = request(ids(500, 18), max_tokens=3), request(ids(501, 40), max_tokens=3)
+    handles = [sched.submit(short), sched.submit(long)]
+    sched.step()  # the short prompt: 16 + its 2-token tail (padded to 4); 4 of the budget left
+    seqs = {seq.request.prompt_ids: seq for seq in sched.planner.prefilling}
+    assert short.prompt_ids not in seqs and seqs[long.prompt_ids].cursor == 0
+    sched.run_until_idle()
+    assert [h.result(timeout=0)[0] for h in handles] == [cold(engine, tokenizer, r) for r in (short, long)]
+
+
 def test_long_prompt_delays_running_streams_by_at_most_one_chunk_per_token(engine, tokenizer):
     sched = make(engine, tokenizer)
     running = [sched.submit(request(ids(500 + i, 6), max_tokens=25)) for i in range(7)]
