@@ -31,39 +31,44 @@ def loaded(programs: dict) -> list[tuple[str, int]]:
     return [key for key in KEYS if programs[key].ready]
 
 
-def test_while_serving_the_warmup_loads_only_what_a_step_wants_then_the_rest_once_idle():
+def warming_while_serving() -> tuple[dict, ProgramTable]:
+    """A table whose caller serves from the start, its background warm-up started (KEYS[0] loaded)."""
     programs, table = table_of()
     table.serving(True)
     table.warmup(background=True)
+    return programs, table
+
+
+def pause_and_finish(programs: dict, table: ProgramTable) -> None:
+    """Serving pauses: the warm-up loads everything left."""
+    table.serving(False)
+    table.background.join(timeout=60)
+    assert loaded(programs) == KEYS
+
+
+def test_while_serving_the_warmup_loads_only_what_a_step_wants_then_the_rest_once_idle():
+    programs, table = warming_while_serving()
     time.sleep(0.5)  # a tiny program loads in milliseconds: a warm-up not held back would have loaded them
     assert loaded(programs) == [KEYS[0]]
     table.want(KEYS[3])  # wanted out of order: loaded before KEYS[1] and KEYS[2], serving or not
     wait_for(lambda: programs[KEYS[3]].ready)
     time.sleep(0.2)
     assert loaded(programs) == [KEYS[0], KEYS[3]]
-    table.serving(False)
-    table.background.join(timeout=60)
-    assert loaded(programs) == KEYS
+    pause_and_finish(programs, table)
 
 
-def test_a_program_wanted_while_idle_jumps_the_queue_and_a_call_still_loads_what_it_needs():
-    programs, table = table_of()
-    table.serving(True)
-    table.warmup(background=True)
+def test_a_call_loads_its_own_program_and_wanting_a_loaded_one_does_nothing():
+    programs, table = warming_while_serving()
     assert int(programs[KEYS[2]](np.int32(1))) == 3  # a call loads its own program on the calling thread
     table.want(KEYS[4])
     table.want(KEYS[2])  # already loaded: nothing to do
     wait_for(lambda: programs[KEYS[4]].ready)
     assert loaded(programs) == [KEYS[0], KEYS[2], KEYS[4]]
-    table.serving(False)
-    table.background.join(timeout=60)
-    assert loaded(programs) == KEYS
+    pause_and_finish(programs, table)
 
 
 def test_stopping_wakes_a_warmup_held_back_by_serving():
-    programs, table = table_of()
-    table.serving(True)
-    table.warmup(background=True)
+    programs, table = warming_while_serving()
     assert table.stop_background(timeout=10)  # it was waiting, not loading
     assert loaded(programs) == [KEYS[0]]
 
