@@ -325,7 +325,9 @@ class Engine:
                meanwhile: Callable[[], None] | None = None, first_runs: bool = False) -> float:
         """Compile every step ahead (`ProgramTable.warmup`); with ``first_runs``, each program also runs once
         right after it is compiled (`first_run`), before ready or on the background thread, and so does the
-        install of a request's sampling parameters. Seconds spent before returning."""
+        install of a request's sampling parameters. CPU only: the set-up is XLA:CPU's, and on an accelerator
+        a scratch KV cache would take a second cache's memory. Seconds spent before returning."""
+        first_runs = first_runs and jax.default_backend() == "cpu"
         self.programs.first_run = self.first_run if first_runs else None
         seconds = self.programs.warmup(progress, background, meanwhile)
         if first_runs:
