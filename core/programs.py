@@ -144,7 +144,8 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         self._loop_started = False  # a caller has reported serving or waiting at least once
         self._wanted: list[ProgramKey] = []  # asked for by a caller, loaded first, serving or not
         # Called with a program's key right after warm-up compiles it, unless a call ran it meanwhile (the
-        # engine's `first_run`: one run on throwaway inputs, so that requests never pay a first run's set-up).
+        # engine's `first_run`: one run on throwaway inputs, so that requests never pay a first run's set-up):
+        # for every program a background thread compiles, and for the first needed ones before ready.
         self.first_run: Callable[[ProgramKey], None] | None = None
         self.compile_seconds = 0.0  # spent in `warmup` before it returned
         self.warmup_seconds: dict[str, float] = {}  # per program name, as each is compiled
@@ -172,7 +173,9 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         if progress and now:
             progress(self._programs[now[0]].name, 0, len(now))
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="slotserve-compile") as pool:
-            pending = [pool.submit(self._compile, key) for key in now]
+            # Compiled before ready with no background thread (every program), only the first needed also
+            # run once now: a batch run pays each of the others' set-up once, only if it uses the program.
+            pending = [pool.submit(self._compile, key, self._first_needed(key)) for key in now]
             if meanwhile:
                 meanwhile()
             for done, future in enumerate(as_completed(pending)):
@@ -188,11 +191,11 @@ class ProgramTable(Mapping[ProgramKey, Program]):
             self.background.start()
         return self.compile_seconds
 
-    def _compile(self, key: ProgramKey) -> str:
+    def _compile(self, key: ProgramKey, run_once: bool = True) -> str:
         program = self._programs[key]
         program.compile(*self._example_args(key))
         self.warmup_seconds[program.name] = program.compile_seconds or 0.0
-        if self.first_run is not None and program.calls == 0:
+        if run_once and self.first_run is not None and program.calls == 0:
             self.first_run(key)
         return program.name
 

@@ -470,3 +470,7 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     assert all(eng.programs[key].calls == 1 for key in first)
     eng.programs.background.join(timeout=300)
     assert all(program.calls == 1 for program in eng.programs.values())
+    # Everything compiled before ready (a batch run): only the first requests' programs run ahead.
+    batch = Engine(cfg, params, config, "float32")
+    batch.warmup(first_runs=True)
+    assert {key for key in batch.programs if batch.programs[key].calls} == first
