@@ -138,7 +138,7 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         self._order = order
         self.background: threading.Thread | None = None  # the background warm-up, once started
         self._stop = threading.Event()  # set by `stop_background`: compile no further program
-        self._wake = threading.Condition()  # guards the two below; notified when either changes or on stop
+        self._wake = threading.Condition()  # guards the four below; notified when they change or on stop
         self._serving = False  # the caller has work: load only what is wanted
         self._idle_since = time.monotonic()  # when the caller last stopped serving
         self._loop_started = False  # a caller has reported serving or waiting at least once
