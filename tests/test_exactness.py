@@ -229,3 +229,39 @@ def test_the_cpu_count_does_not_change_a_result(tmp_path):
         results.append(np.load(path))
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0][0], results[0][1])  # resumed after 11 tokens == cold
+
+
+@pytest.mark.parametrize("family,kv_dtype,precision", [("gemma3", "int8", "w8a8"), ("gemma4", "float32", "float")])
+def test_a_long_chunk_attends_in_query_blocks_with_the_bits_of_short_chunks(family, kv_dtype, precision):
+    """A sliding layer splits a chunk of several SLIDING_QUERY_BLOCKs into blocks of queries, each attending
+    over the view its own block needs (`core.model.layer_attention`); chunks of one block attend as one. The
+    same prompt prefilled as one long chunk after a short one, and in block-sized chunks, gives the same
+    logits and writes the same cache, bit for bit (window 8: every block's view starts past the chunk's)."""
+    from core.kv_cache import CacheSpec, init_cache
+    from core.model import SLIDING_QUERY_BLOCK, prefill_chunk
+    from core.weights import random_params, to_w8a8
+    from tiny_models import model_config
+
+    cfg = model_config(family)
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=5)
+    params = to_w8a8(params) if precision == "w8a8" else params
+    block, head = SLIDING_QUERY_BLOCK, 5
+    ids = RNG.integers(3, cfg.vocab_size, size=head + 3 * block).astype(np.int32)
+    step = jax.jit(lambda cache, tokens, ints: prefill_chunk(params, cache, tokens, ints[0:1], ints[1:2], ints[2:3],
+                                                             cfg=cfg))
+
+    def prefill(pieces: list[np.ndarray]) -> tuple[np.ndarray, dict]:
+        cache, start = init_cache(cfg, CacheSpec(num_slots=2, max_len=4 * block, dtype=kv_dtype)), 0
+        for piece in pieces:
+            tokens = np.zeros((1, -(-len(piece) // block) * block if len(piece) > block else len(piece)), np.int32)
+            tokens[0, :len(piece)] = piece
+            logits, cache = step(cache, jnp.asarray(tokens), jnp.asarray([start, len(piece), 1], jnp.int32))
+            start += len(piece)
+        return np.asarray(logits), jax.tree_util.tree_map(np.asarray, cache)
+
+    long_logits, long_cache = prefill([ids[:head], ids[head:head + 3 * block - 7], ids[head + 3 * block - 7:]])
+    short = [ids[:head], *(ids[i:i + block] for i in range(head, len(ids), block))]
+    short_logits, short_cache = prefill(short)
+    np.testing.assert_array_equal(long_logits, short_logits)
+    for got, want in zip(jax.tree_util.tree_leaves(long_cache), jax.tree_util.tree_leaves(short_cache), strict=True):
+        np.testing.assert_array_equal(got[1, :len(ids)], want[1, :len(ids)])
