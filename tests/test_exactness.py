@@ -234,9 +234,10 @@ def test_the_cpu_count_does_not_change_a_result(tmp_path):
 @pytest.mark.parametrize("family,kv_dtype,precision", [("gemma3", "int8", "w8a8"), ("gemma4", "float32", "float")])
 def test_a_long_chunk_attends_in_query_blocks_with_the_bits_of_short_chunks(family, kv_dtype, precision):
     """A sliding layer splits a chunk of several SLIDING_QUERY_BLOCKs into blocks of queries, each attending
-    over the view its own block needs (`core.model.layer_attention`); chunks of one block attend as one. The
-    same prompt prefilled as one long chunk after a short one, and in block-sized chunks, gives the same
-    logits and writes the same cache, bit for bit (window 8: every block's view starts past the chunk's)."""
+    over the view its own block needs (`core.model.layer_attention`); a chunk of one block attends as one.
+    Two prompts prefilled as long chunks after a short one, one row in its named slot and both rows as a
+    batch (row b in slot b), give the logits and the cache of block-sized chunks, bit for bit. The window is
+    8, so a block whose view ended anywhere but at its own end would read other keys."""
     from core.kv_cache import CacheSpec, init_cache
     from core.model import SLIDING_QUERY_BLOCK, prefill_chunk
     from core.weights import random_params, to_w8a8
@@ -246,22 +247,29 @@ def test_a_long_chunk_attends_in_query_blocks_with_the_bits_of_short_chunks(fami
     params = random_params(cfg, std=0.1, norm_std=0.1, seed=5)
     params = to_w8a8(params) if precision == "w8a8" else params
     block, head = SLIDING_QUERY_BLOCK, 5
-    ids = RNG.integers(3, cfg.vocab_size, size=head + 3 * block).astype(np.int32)
-    step = jax.jit(lambda cache, tokens, ints: prefill_chunk(params, cache, tokens, ints[0:1], ints[1:2], ints[2:3],
-                                                             cfg=cfg))
+    prompts = RNG.integers(3, cfg.vocab_size, size=(2, head + 3 * block)).astype(np.int32)
+    step = jax.jit(prefill_chunk, static_argnames="cfg")
 
-    def prefill(pieces: list[np.ndarray]) -> tuple[np.ndarray, dict]:
-        cache, start = init_cache(cfg, CacheSpec(num_slots=2, max_len=4 * block, dtype=kv_dtype)), 0
-        for piece in pieces:
-            tokens = np.zeros((1, -(-len(piece) // block) * block if len(piece) > block else len(piece)), np.int32)
-            tokens[0, :len(piece)] = piece
-            logits, cache = step(cache, jnp.asarray(tokens), jnp.asarray([start, len(piece), 1], jnp.int32))
-            start += len(piece)
+    def prefill(rows: np.ndarray, cuts: list[int], slot: int | None) -> tuple[np.ndarray, dict]:
+        """rows [R, L] in chunks ending at `cuts`, into slot `slot` (one row) or row r into slot r."""
+        cache = init_cache(cfg, CacheSpec(num_slots=2, max_len=4 * block, dtype=kv_dtype))
+        for start, end in zip([0, *cuts], [*cuts, rows.shape[1]], strict=True):
+            n = end - start
+            tokens = np.zeros((len(rows), -(-n // block) * block if n > block else n), np.int32)
+            tokens[:, :n] = rows[:, start:end]
+            logits, cache = step(params, cache, jnp.asarray(tokens), jnp.full(len(rows), start, jnp.int32),
+                                 jnp.full(len(rows), n, jnp.int32), None if slot is None else jnp.asarray([slot]),
+                                 cfg=cfg)
         return np.asarray(logits), jax.tree_util.tree_map(np.asarray, cache)
 
-    long_logits, long_cache = prefill([ids[:head], ids[head:head + 3 * block - 7], ids[head + 3 * block - 7:]])
-    short = [ids[:head], *(ids[i:i + block] for i in range(head, len(ids), block))]
-    short_logits, short_cache = prefill(short)
-    np.testing.assert_array_equal(long_logits, short_logits)
-    for got, want in zip(jax.tree_util.tree_leaves(long_cache), jax.tree_util.tree_leaves(short_cache), strict=True):
-        np.testing.assert_array_equal(got[1, :len(ids)], want[1, :len(ids)])
+    long_cuts, short_cuts = [head, head + 3 * block - 7], [head + i * block for i in range(3)]
+    want = {slot: prefill(prompts[slot:slot + 1], short_cuts, slot) for slot in (0, 1)}
+    # (rows, the slot argument, (row, slot) pairs to compare): one row in a named slot; both rows in theirs
+    for rows, slot_arg, pairs in ((prompts[1:2], 1, [(0, 1)]), (prompts, None, [(0, 0), (1, 1)])):
+        got_logits, got_cache = prefill(rows, long_cuts, slot_arg)
+        for row, slot in pairs:
+            want_logits, want_cache = want[slot]
+            np.testing.assert_array_equal(got_logits[row], want_logits[0])
+            for got, wanted in zip(jax.tree_util.tree_leaves(got_cache), jax.tree_util.tree_leaves(want_cache),
+                                   strict=True):
+                np.testing.assert_array_equal(got[slot], wanted[slot])
