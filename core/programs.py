@@ -33,6 +33,11 @@ COMPILE_THREADS = 2
 # nothing for this long: a restarted server's first requests arrive right after ready, and a load already
 # started (~0.5 s of CPU, not interruptible) would compete with them.
 QUIET_S = 2.0
+# While the caller serves, a program it wants (a speedup left out until loaded) loads only once this many steps
+# have asked for it: a restarted server's first wave of streams passes through a step or two with one stream
+# alone (the others wait for its shared prefix), and loading the lone stream's verify program then (~3 s of a
+# core on a 2-core host) slowed the eight streams that followed by ~10%. Once serving pauses it loads at once.
+ASKS_WHILE_SERVING = 8
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _hits: collections.Counter[int] = collections.Counter()  # thread id -> XLA cache hits, to tell what was loaded
 # One program is traced and lowered at a time, in any thread. JAX's tracing caches are shared between
@@ -117,7 +122,9 @@ class Program:
     def __call__(self, *args: Any) -> Any:
         compiled = self._compiled
         if compiled is None:  # not warmed up yet: compile now (or wait for the thread compiling it)
+            begin = time.perf_counter()
             self.compile(*args)
+            log.info("program %s was not loaded: a call waited %.2f s for it", self.name, time.perf_counter() - begin)
             compiled = self._compiled
         self.calls += 1
         return compiled(*args)
@@ -139,10 +146,11 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         self.background: threading.Thread | None = None  # the background warm-up, once started
         self._stop = threading.Event()  # set by `stop_background`: compile no further program
         self._wake = threading.Condition()  # guards the four below; notified when they change or on stop
-        self._serving = False  # the caller has work: load only what is wanted
+        self._serving = False  # the caller has work: load only what steps keep asking for
         self._idle_since = time.monotonic()  # when the caller last stopped serving
         self._loop_started = False  # a caller has reported serving or waiting at least once
-        self._wanted: list[ProgramKey] = []  # asked for by a caller, loaded first, serving or not
+        self._wanted: list[ProgramKey] = []  # asked for by a caller, loaded before the rest
+        self._asks: collections.Counter[ProgramKey] = collections.Counter()  # how many times each was wanted
         # Called with a program's key right after warm-up compiles it, unless a call ran it meanwhile (the
         # engine's `first_run`: one run on throwaway inputs, so that requests never pay a first run's set-up):
         # for every program a background thread compiles, and for the first needed ones before ready.
@@ -186,6 +194,8 @@ class ProgramTable(Mapping[ProgramKey, Program]):
             progress("ready", len(now), len(now))
         self.compile_seconds = time.perf_counter() - begin
         if later:
+            with self._wake:  # quiet counts from ready too: a serving loop may have idled through the warm-up
+                self._idle_since = time.monotonic()
             self.background = threading.Thread(target=self._compile_later, args=(later,), name="slotserve-warmup",
                                                daemon=True)
             self.background.start()
@@ -193,15 +203,19 @@ class ProgramTable(Mapping[ProgramKey, Program]):
 
     def _compile(self, key: ProgramKey, run_once: bool = True) -> str:
         program = self._programs[key]
+        begin = time.perf_counter()
         program.compile(*self._example_args(key))
         self.warmup_seconds[program.name] = program.compile_seconds or 0.0
         if run_once and self.first_run is not None and program.calls == 0:
             self.first_run(key)
+        log.debug("program %s loaded (and run once: %s) in %.2f s", program.name, run_once,
+                  time.perf_counter() - begin)
         return program.name
 
     def serving(self, busy: bool) -> None:
         """The caller has work (True) or waits for it (False). While it has work, a background warm-up loads
-        only the programs it `want`s, so that loading does not slow the steps it runs meanwhile."""
+        only the programs its steps keep asking for (`want`), so that loading does not slow the steps it runs
+        meanwhile."""
         with self._wake:
             if not busy:  # quiet counts from here (also from a serving loop's start)
                 self._idle_since = time.monotonic()
@@ -222,22 +236,26 @@ class ProgramTable(Mapping[ProgramKey, Program]):
 
     def want(self, key: ProgramKey) -> None:
         """A caller would run this program now if it were ready (a speedup left out meanwhile): a background
-        warm-up loads it next, serving or not."""
+        warm-up loads it next, once serving pauses or once `ASKS_WHILE_SERVING` steps have asked for it."""
         if key in self._programs and not self._programs[key].ready:
             with self._wake:
+                self._asks[key] += 1
                 if key not in self._wanted:
                     self._wanted.append(key)
-                    self._wake.notify_all()
+                self._wake.notify_all()
 
     def _next_later(self, keys: list[ProgramKey]) -> ProgramKey | None:
-        """The background warm-up's next program: a wanted one, else the next of ``keys`` (in order) once the
-        caller has been idle `QUIET_S`; None when stopped or done. Blocks meanwhile."""
+        """The background warm-up's next program: a wanted one (while serving, one asked for often enough),
+        else the next of ``keys`` (in order) once the caller has been idle `QUIET_S`; None when stopped or
+        done. Blocks meanwhile."""
         with self._wake:
             while not self._stop.is_set():
-                wanted = [key for key in self._wanted if not self._programs[key].ready]
-                self._wanted = wanted[1:]
-                if wanted:
-                    return wanted[0]
+                self._wanted = [key for key in self._wanted if not self._programs[key].ready]
+                due = [key for key in self._wanted
+                       if not self._serving or self._asks[key] >= ASKS_WHILE_SERVING]
+                if due:
+                    self._wanted.remove(due[0])
+                    return due[0]
                 while keys and self._programs[keys[0]].ready:  # compiled meanwhile by a call needing it
                     keys.pop(0)
                 if not keys:

@@ -1,6 +1,6 @@
 """The background warm-up's order (core.programs.ProgramTable): while the engine serves, it loads only the
-programs a step asked for, those first, and everything else once serving pauses, so that a restart's loading
-does not slow the streams it serves meanwhile."""
+programs its steps keep asking for, those first, and everything else once serving pauses, so that a restart's
+loading does not slow the streams it serves meanwhile."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from core.programs import Program, ProgramTable
+from core.programs import ASKS_WHILE_SERVING, QUIET_S, Program, ProgramTable
 
 KEYS = [("step", i) for i in range(5)]
 
@@ -46,21 +46,54 @@ def pause_and_finish(programs: dict, table: ProgramTable) -> None:
     assert loaded(programs) == KEYS
 
 
-def test_while_serving_the_warmup_loads_only_what_a_step_wants_then_the_rest_once_idle():
+def ask(table: ProgramTable, key: tuple[str, int], times: int) -> None:
+    for _ in range(times):
+        table.want(key)
+
+
+def test_while_serving_the_warmup_loads_only_what_steps_keep_wanting_then_the_rest_once_idle():
     programs, table = warming_while_serving()
     time.sleep(0.5)  # a tiny program loads in milliseconds: a warm-up not held back would have loaded them
     assert loaded(programs) == [KEYS[0]]
-    table.want(KEYS[3])  # wanted out of order: loaded before KEYS[1] and KEYS[2], serving or not
+    ask(table, KEYS[3], ASKS_WHILE_SERVING - 1)  # a passing want (one stream alone for a step or two)
+    time.sleep(0.3)
+    assert loaded(programs) == [KEYS[0]]
+    table.want(KEYS[3])  # asked for often enough: loaded before KEYS[1] and KEYS[2] while serving
     wait_for(lambda: programs[KEYS[3]].ready)
     time.sleep(0.2)
     assert loaded(programs) == [KEYS[0], KEYS[3]]
     pause_and_finish(programs, table)
 
 
+def test_a_passing_want_loads_first_once_serving_pauses():
+    programs, table = warming_while_serving()
+    table.want(KEYS[4])
+    time.sleep(0.3)
+    assert loaded(programs) == [KEYS[0]]
+    table.serving(False)  # idle: the wanted one loads at once, the rest after QUIET_S
+    wait_for(lambda: programs[KEYS[4]].ready)
+    assert loaded(programs) == [KEYS[0], KEYS[4]]
+    pause_and_finish(programs, table)
+
+
+def test_after_ready_the_unwanted_rest_waits_for_quiet_even_if_the_loop_idled_through_the_warmup():
+    """A serving loop that started (idle) long before ready does not let the warm-up load at once: the first
+    requests arrive right after ready."""
+    programs, table = table_of()
+    table.serving(False)
+    time.sleep(QUIET_S + 0.2)  # idle for longer than QUIET_S before the warm-up even starts
+    table.warmup(background=True)
+    ready_at = time.monotonic()
+    wait_for(lambda: programs[KEYS[1]].ready)
+    assert time.monotonic() - ready_at >= QUIET_S * 0.9
+    table.background.join(timeout=60)
+    assert loaded(programs) == KEYS
+
+
 def test_a_call_loads_its_own_program_and_wanting_a_loaded_one_does_nothing():
     programs, table = warming_while_serving()
     assert int(programs[KEYS[2]](np.int32(1))) == 3  # a call loads its own program on the calling thread
-    table.want(KEYS[4])
+    ask(table, KEYS[4], ASKS_WHILE_SERVING)
     table.want(KEYS[2])  # already loaded: nothing to do
     wait_for(lambda: programs[KEYS[4]].ready)
     assert loaded(programs) == [KEYS[0], KEYS[2], KEYS[4]]
@@ -77,8 +110,6 @@ def test_quiet_means_nothing_served_for_a_while_and_stopping_ends_the_wait():
     """What waits for quiet (the grammar bridge) starts QUIET_S after the last step, never while serving nor
     before a serving loop has started (its first requests arrive right after ready)."""
     import threading
-
-    from core.programs import QUIET_S
 
     _, table = table_of()
     answers: list[tuple[bool, float]] = []
