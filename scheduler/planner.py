@@ -142,7 +142,9 @@ class Planner:
                    if slot.sequence is not None and slot.sequence.state is SeqState.DECODING]
         if not running:
             return
-        if len(running) == 1:
+        # A lone stream verifies on its own (more drafts per pass) once that program is loaded; until then (a
+        # restarted server's first wave ends with its slowest stream alone) the batched verify serves it.
+        if len(running) == 1 and self.engine.compiled_for("verify", [self.kv.held(running[0])]):
             plan.verify = self._speculate(running[0])
         else:
             plan.verify_rows = self._speculate_rows(running)
@@ -155,12 +157,11 @@ class Planner:
                                                         request.want_logprobs)
 
     def _speculate(self, seq: Sequence) -> StepRow | None:
-        """A verify step for a lone eligible stream, if the context suggests a draft; None: decode as usual."""
+        """A verify step for a lone eligible stream (its program loaded), if the context suggests a draft;
+        None: decode as usual."""
         if self.engine.config.verify_tokens < 2 or not self._may_speculate(seq):
             return None
         start = self.kv.held(seq)
-        if not self.engine.compiled_for("verify", [start]):  # still compiling after start-up
-            return None
         # verify_room keeps the chunk inside one attention bucket (so also within max_len)
         room = min(self.engine.verify_room(start) - 1, seq.max_tokens - len(seq.generated) - 1)
         draft = seq.draft(room)

@@ -355,6 +355,24 @@ def test_greedy_streams_share_batched_verify_steps_and_yield_exactly_the_plain_t
             assert sched.stats.decode_steps < plain_sched.stats.decode_steps
 
 
+def test_a_lone_stream_verifies_in_the_batched_program_until_its_own_is_loaded(exact_engine, tokenizer,
+                                                                              monkeypatch):
+    """Right after a restart the lone-stream verify program may still be loading while the batched one is
+    ready (a first wave's slowest stream ends alone): the lone stream verifies its drafts there, with the plain
+    tokens, rather than decoding one token a step."""
+    req = request(ids(64, 10) * 4, max_tokens=30)
+    plain = run_all(make(exact_engine, tokenizer, speculative=False), [req])[0]
+    loaded = exact_engine.compiled_for
+    monkeypatch.setattr(exact_engine, "compiled_for",
+                        lambda kind, positions: kind != "verify" and loaded(kind, positions))
+    sched = make(exact_engine, tokenizer)
+    monkeypatch.setattr(sched.times, "rows_verify_cost", lambda: 1.0)  # so that one-token drafts pay too
+    got = run_all(sched, [req])[0]
+    assert got[0] == plain[0] and got[1] == plain[1]
+    assert sched.stats.speculative_steps == sched.stats.batched_speculative_steps > 0
+    assert sched.stats.accepted_draft_tokens > 0
+
+
 def test_batched_verify_is_skipped_when_it_costs_more_than_its_drafts_gain(exact_engine, tokenizer):
     """The same repetitive streams, but batched verify passes measured 50x a decode step: no expected
     acceptance pays for that, so the streams decode step by step together, with the same outputs."""
