@@ -306,16 +306,18 @@ class Engine:
 
     def _first_needed(self, key: ProgramKey) -> bool:
         """Whether a background warm-up compiles this program before reporting ready: what short first
-        requests run (every sampler, the smallest prefill chunk, the decode step over the smallest bucket,
-        and there the batched prefill and batched verify that several of them arriving together use: a
-        restarted server's first wave of streams runs at full speed). The rest follow on the background
-        thread, the smallest bucket first; a request needing one of them waits for it, and the other
-        speedups (speculative verification of a lone stream, larger buckets) are left out until theirs are
+        requests run (the unmasked samplers, the smallest prefill chunk, the decode step over the smallest
+        bucket, and there the batched prefill and both verify steps that several of them arriving together
+        use: a restarted server's first wave of streams runs at full speed, its slowest stream, which ends
+        alone, included). The rest follow on the background thread, the masked samplers (~0.2 s each) first,
+        then the smallest bucket; a request needing one of them waits for it (a constrained request waits for
+        the grammar bridge anyway), and the other speedups (larger buckets) are left out until theirs are
         compiled."""
         first = self.buckets[0]
-        return (key[0] in ("sample", "sample_row") or key in {("decode", first), ("prefill_rows", first),
-                                                               ("verify_rows", first)}
-                or key == ("prefill", self.config.chunk_sizes[0], first))
+        if key[0] in ("sample", "sample_row"):
+            return not key[-1]
+        return key in {("decode", first), ("prefill_rows", first), ("verify_rows", first), ("verify", first),
+                       ("prefill", self.config.chunk_sizes[0], first)}
 
     def _background_order(self, key: ProgramKey) -> tuple[int, bool]:
         """Smallest bucket first; within a bucket what every request may need before the speedups."""
