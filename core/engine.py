@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,6 +172,9 @@ class Engine:
         self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size, history=config.max_len)
         self.programs = ProgramTable(self._build_programs(model), self._example_args, self._first_needed,
                                      self._background_order)
+        self.programs.on_warm = self._drop_scratch
+        self._scratch_cache: Any = None  # a KV cache that first runs pass on to each other (`first_run`)
+        self._scratch_lock = threading.Lock()
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -345,16 +349,34 @@ class Engine:
         A program's first run on XLA:CPU carries one-time set-up (~0.4 s per program of the default model,
         more for a large prefill chunk) that a request would otherwise wait for. It touches no live buffer,
         so it may run on the warm-up thread while the engine serves."""
-        params = jax.tree_util.tree_structure(self.params)
+        params, cache_shapes = jax.tree_util.tree_structure(self.params), abstract(self.cache)
+        with self._scratch_lock:  # one thread's at a time; another first run meanwhile makes its own
+            scratch, self._scratch_cache = self._scratch_cache, None
 
         def stand_in(arg: Any) -> Any:
             if arg is None:
                 return None
             if jax.tree_util.tree_structure(arg) == params:
                 return self.params
+            if scratch is not None and arg == cache_shapes:
+                return scratch
             return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), arg)
 
-        jax.block_until_ready(self.programs[key](*map(stand_in, self._example_args(key))))
+        outputs = jax.block_until_ready(self.programs[key](*map(stand_in, self._example_args(key))))
+        # Keep a KV cache for the next first run, so that each does not allocate (and fault in) its own:
+        # the one a program returned (its donated scratch), else the scratch it read.
+        kept = [out for out in (outputs if isinstance(outputs, tuple) else (outputs,))
+                if jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(cache_shapes)
+                and abstract(out) == cache_shapes]
+        if not kept and scratch is not None and not any(a.is_deleted() for a in jax.tree_util.tree_leaves(scratch)):
+            kept = [scratch]
+        with self._scratch_lock:
+            self._scratch_cache = kept[0] if kept else None
+
+    def _drop_scratch(self) -> None:
+        """The warm-up is over: no first run needs the scratch KV cache any more (a whole cache's memory)."""
+        with self._scratch_lock:
+            self._scratch_cache = None
 
     @property
     def compile_seconds(self) -> float:

@@ -436,6 +436,13 @@ def test_first_runs_run_every_program_once_on_throwaway_state(setup):
         engine.first_run(key)
     assert all(engine.programs[key].calls == calls[key] + 1 for key in engine.programs)
     assert all(np.array_equal(a, b) for a, b in zip(before, state_of(engine), strict=True))
+    # Each first run handed a scratch KV cache to the next (none allocates a whole cache of its own), never
+    # the live one; the end of the warm-up frees it.
+    live = {a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(engine.cache)}
+    scratch = jax.tree_util.tree_leaves(engine._scratch_cache)
+    assert scratch and not live & {a.unsafe_buffer_pointer() for a in scratch}
+    engine.programs.on_warm()
+    assert engine._scratch_cache is None
 
 
 def test_first_runs_of_batched_verify_under_adapters_leave_the_state_alone(compile_cache):
@@ -471,6 +478,7 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     assert all(eng.programs[key].calls == 1 for key in first)
     eng.programs.background.join(timeout=300)
     assert all(program.calls == 1 for program in eng.programs.values())
+    assert eng._scratch_cache is None  # the first runs' scratch KV cache is freed with the warm-up's end
     # Everything compiled before ready (a batch run): only the first requests' programs run ahead.
     batch = Engine(cfg, params, config, "float32")
     batch.warmup(first_runs=True)
