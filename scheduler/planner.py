@@ -144,8 +144,9 @@ class Planner:
             return
         # A lone stream verifies on its own (more drafts per pass) once that program is loaded; until then (a
         # restarted server's first wave ends with its slowest stream alone) the batched verify serves it.
-        if len(running) == 1 and self.engine.compiled_for("verify", [self.kv.held(running[0])]):
-            plan.verify = self._speculate(running[0])
+        lone = running[0] if len(running) == 1 else None
+        if lone is not None and self._may_speculate(lone) and self.engine.compiled_for("verify", [self.kv.held(lone)]):
+            plan.verify = self._speculate(lone)
         else:
             plan.verify_rows = self._speculate_rows(running)
         if plan.verify is None and not plan.verify_rows:
@@ -159,7 +160,7 @@ class Planner:
     def _speculate(self, seq: Sequence) -> StepRow | None:
         """A verify step for a lone eligible stream (its program loaded), if the context suggests a draft;
         None: decode as usual."""
-        if self.engine.config.verify_tokens < 2 or not self._may_speculate(seq):
+        if self.engine.config.verify_tokens < 2:
             return None
         start = self.kv.held(seq)
         # verify_room keeps the chunk inside one attention bucket (so also within max_len)

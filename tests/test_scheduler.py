@@ -373,6 +373,19 @@ def test_a_lone_stream_verifies_in_the_batched_program_until_its_own_is_loaded(e
     assert sched.stats.accepted_draft_tokens > 0
 
 
+def test_a_stream_that_may_not_speculate_never_asks_for_a_verify_program(engine, tokenizer, monkeypatch):
+    """A step's ask loads a program on the warm-up thread while serving (core.programs.ASKS_WHILE_SERVING):
+    a lone sampled stream, which never verifies, must not ask for one."""
+    asked: list[str] = []
+    loaded = engine.compiled_for
+    monkeypatch.setattr(engine, "compiled_for", lambda kind, positions: asked.append(kind) or loaded(kind, positions))
+    sampled = request(ids(64, 10) * 4, max_tokens=12, sampling=SamplingParams(temperature=0.8, seed=3))
+    run_all(make(engine, tokenizer), [sampled])
+    assert not any(kind.startswith("verify") for kind in asked)
+    run_all(make(engine, tokenizer), [request(ids(64, 10) * 4, max_tokens=12)])  # a greedy one does ask
+    assert "verify" in asked
+
+
 def test_batched_verify_is_skipped_when_it_costs_more_than_its_drafts_gain(exact_engine, tokenizer):
     """The same repetitive streams, but batched verify passes measured 50x a decode step: no expected
     acceptance pays for that, so the streams decode step by step together, with the same outputs."""
