@@ -172,8 +172,10 @@ class Engine:
         self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size, history=config.max_len)
         self.programs = ProgramTable(self._build_programs(model), self._example_args, self._first_needed,
                                      self._background_order)
-        self.programs.on_warm = self._drop_scratch
-        self._scratch_cache: Any = None  # a KV cache that first runs pass on to each other (`first_run`)
+        # A KV cache that the first runs before ready pass on to each other (`first_run`); None after ready,
+        # when a background first run makes its own for as long as it runs (a whole cache's memory).
+        self._scratch_cache: Any = None
+        self._keep_scratch = False
         self._scratch_lock = threading.Lock()
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -335,7 +337,12 @@ class Engine:
         a scratch KV cache would take a second cache's memory. Seconds spent before returning."""
         first_runs = first_runs and jax.default_backend() == "cpu"
         self.programs.first_run = self.first_run if first_runs else None
-        seconds = self.programs.warmup(progress, background, meanwhile)
+        self._keep_scratch = True
+        try:
+            seconds = self.programs.warmup(progress, background, meanwhile)
+        finally:
+            with self._scratch_lock:
+                self._keep_scratch, self._scratch_cache = False, None
         if first_runs:
             begin = time.perf_counter()
             zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract(self.sampler))
@@ -363,20 +370,15 @@ class Engine:
             return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), arg)
 
         outputs = jax.block_until_ready(self.programs[key](*map(stand_in, self._example_args(key))))
-        # Keep a KV cache for the next first run, so that each does not allocate (and fault in) its own:
-        # the one a program returned (its donated scratch), else the scratch it read.
+        # Before ready, keep a KV cache for the next first run, so that each does not allocate (and fault in)
+        # its own: the one a program returned (its donated scratch), else the scratch it read.
         kept = [out for out in (outputs if isinstance(outputs, tuple) else (outputs,))
                 if jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(cache_shapes)
                 and abstract(out) == cache_shapes]
         if not kept and scratch is not None and not any(a.is_deleted() for a in jax.tree_util.tree_leaves(scratch)):
             kept = [scratch]
         with self._scratch_lock:
-            self._scratch_cache = kept[0] if kept else None
-
-    def _drop_scratch(self) -> None:
-        """The warm-up is over: no first run needs the scratch KV cache any more (a whole cache's memory)."""
-        with self._scratch_lock:
-            self._scratch_cache = None
+            self._scratch_cache = kept[0] if kept and self._keep_scratch else None
 
     @property
     def compile_seconds(self) -> float:

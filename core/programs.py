@@ -156,7 +156,6 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         # for every program a background thread compiles, and for the first needed ones before ready.
         self.first_run: Callable[[ProgramKey], None] | None = None
         self.compile_seconds = 0.0  # spent in `warmup` before it returned
-        self.on_warm: Callable[[], None] | None = None  # called once the warm-up has no program left to load
         self.warmup_seconds: dict[str, float] = {}  # per program name, as each is compiled
 
     def __getitem__(self, key: ProgramKey) -> Program:
@@ -194,8 +193,6 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         if progress:
             progress("ready", len(now), len(now))
         self.compile_seconds = time.perf_counter() - begin
-        if not later and self.on_warm is not None:
-            self.on_warm()
         if later:
             with self._wake:  # quiet counts from ready too: a serving loop may have idled through the warm-up
                 self._idle_since = time.monotonic()
@@ -277,9 +274,6 @@ class ProgramTable(Mapping[ProgramKey, Program]):
         except Exception:  # a call needing the program compiles it itself (and reports what fails)
             log.exception("background compilation stopped")
             return
-        finally:
-            if self.on_warm is not None:
-                self.on_warm()
         if self._stop.is_set():
             log.info("background compilation stopped with %d programs left", sum(not p.ready for p in self.values()))
         else:

@@ -437,13 +437,39 @@ def test_first_runs_run_every_program_once_on_throwaway_state(setup):
         engine.first_run(key)
     assert all(engine.programs[key].calls == calls[key] + 1 for key in engine.programs)
     assert all(np.array_equal(a, b) for a, b in zip(before, state_of(engine), strict=True))
-    # Each first run handed a scratch KV cache to the next (none allocates a whole cache of its own), never
-    # the live one; the end of the warm-up frees it.
-    live = {a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(engine.cache)}
-    scratch = jax.tree_util.tree_leaves(engine._scratch_cache)
-    assert scratch and not live & {a.unsafe_buffer_pointer() for a in scratch}
-    engine.programs.on_warm()
-    assert engine._scratch_cache is None
+    assert engine._scratch_cache is None  # outside a warm-up none is kept
+
+
+def test_first_runs_before_ready_share_one_scratch_kv_cache_and_free_it(compile_cache, monkeypatch):
+    """Each first run before ready hands its scratch KV cache to the next (only the first allocates one; a
+    zeroed default-model pool is 585 MiB to fault in each time), never the live cache, and none is kept
+    after ready."""
+    cfg = model_config("gemma3")
+    config = EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=(4, 16), attention_buckets=(16, 32, 64),
+                          verify_width=VERIFY)
+    eng = Engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=3), config, "float32")
+    leaves = jax.tree_util.tree_leaves(eng.cache)
+    live = {a.unsafe_buffer_pointer() for a in leaves}
+    like_first = sum((a.shape, a.dtype) == (leaves[0].shape, leaves[0].dtype) for a in leaves)
+    made, zeros = [], jnp.zeros
+    monkeypatch.setattr(jnp, "zeros",
+                        lambda shape, dtype=None: made.append((tuple(shape), dtype)) or zeros(shape, dtype))
+    taken = []
+    run = eng.first_run
+
+    def first_run(key):
+        if eng._scratch_cache is not None:
+            taken.append({a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(eng._scratch_cache)})
+        run(key)
+
+    monkeypatch.setattr(eng, "first_run", first_run)
+    eng.warmup(first_runs=True)
+    takers = [k for k in eng.programs if eng._first_needed(k) and k[0] in ("prefill", "decode", "verify_rows",
+                                                                          "verify", "prefill_rows")]
+    assert len(takers) >= 3 and len(taken) >= len(takers) - 2  # two compile threads: each may start one
+    assert not any(live & pointers for pointers in taken)
+    assert sum(shape == leaves[0].shape and dtype == leaves[0].dtype for shape, dtype in made) <= 2 * like_first
+    assert eng._scratch_cache is None
 
 
 def test_first_runs_of_batched_verify_under_adapters_leave_the_state_alone(compile_cache):
@@ -479,7 +505,6 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     assert all(eng.programs[key].calls == 1 for key in first)
     eng.programs.background.join(timeout=300)
     assert all(program.calls == 1 for program in eng.programs.values())
-    assert eng._scratch_cache is None  # the first runs' scratch KV cache is freed with the warm-up's end
     # Everything compiled before ready (a batch run): only the first requests' programs run ahead.
     batch = Engine(cfg, params, config, "float32")
     batch.warmup(first_runs=True)
