@@ -21,19 +21,6 @@ from core.device import configure_environment  # noqa: E402
 configure_environment()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def free_module_memory():
-    """After each test file, drop what its engines left in JAX's in-process caches: each `make test` worker
-    runs many files, and a worker grew past 12 GB on a 23 GB machine (two workers) without this."""
-    yield
-    import gc
-
-    import jax
-
-    gc.collect()
-    jax.clear_caches()
-
-
 @pytest.fixture(scope="session")
 def compile_cache():
     from core.compile_cache import enable_compile_cache
