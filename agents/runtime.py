@@ -59,6 +59,9 @@ class RuntimeOptions:
     # int8 KV only). Its rows equal decode rows bit for bit on every host class the suite has passed on,
     # checked at the logits by tests/test_batched_verify.py wherever `make test` runs (docs/design-notes.md).
     batched_speculation: bool = True
+    # A decode step carries one short prompt chunk (a chat turn's new tokens) of another slot in the same pass
+    # (EngineConfig.chunk_in_decode; W8A8 + int8 KV only, exact as the batched verify is).
+    chunk_in_decode: bool = True
     host_tier_bytes: int = SchedulerConfig.host_tier_bytes
     # The disk tier's directory: None for the default (`disk_tier_dir`), "off" for none.
     disk_tier_dir: str | None = None
@@ -247,6 +250,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
                     EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
                                  chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
                                  rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
+                                 chunk_in_decode=options.chunk_in_decode,
                                  adapter_slots=options.adapter_slots, adapter_rank=options.adapter_rank),
                     model.dtype, program_store)
     engine.weights_identity = model.weights_identity

@@ -25,7 +25,7 @@ import numpy as np
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
 from core.lora import LoraAdapter, adapted_projections, attach_slots, with_adapter
-from core.model import decode_step, prefill_chunk, slot_batched_lora_exact, verify_chunk
+from core.model import decode_step, decode_with_chunk, prefill_chunk, slot_batched_lora_exact, verify_chunk
 from core.program_store import ProgramStore, environment_fingerprint
 from core.programs import Program, ProgramKey, ProgramTable, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
@@ -34,7 +34,7 @@ from core.weights import all_matmuls_integer
 log = logging.getLogger(__name__)
 # Programs that only speed up what other programs also do (a verify step is a few decode steps, a batched
 # prefill several single ones): a background warm-up compiles them after reporting ready.
-OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "decode_sample_full")
+OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "decode_sample_full", "decode_chunk")
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
 NO_ADAPTER = -1  # a KV slot whose rows get no LoRA terms
@@ -61,6 +61,11 @@ class EngineConfig:
     # weights and int8 KV) and XLA's float kernels computing a row alike in both shapes, which holds on some
     # CPUs and not on others (docs/design-notes.md), so it is opt-in. 0 or 1: no program.
     rows_verify_width: int = 0
+    # A decode step may carry one prompt chunk of the smallest size for a slot that is not decoding (a chat
+    # turn's new tokens after a prefix-cache hit): the weight products take both at once, so the chunk costs
+    # its extra rows instead of a call that reads every weight again. Like the batched verify, it needs every
+    # product exact whatever the row count (`Engine.rows_exact`); elsewhere there is no such program.
+    chunk_in_decode: bool = False
     # Decode and sample in one program for steps with no constrained row: one dispatch instead of two, the
     # logits never leave the device (the step a device-side token feedback would build on). Off: on an H200
     # the sampler dispatched right after the decode already overlaps it (two calls 5.42 ms vs fused 5.77 ms per
@@ -151,8 +156,9 @@ class Engine:
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
         # LoRA adapter products are float, but each slot's are one `linear` pair over the call's rows, whose bits
         # do not depend on the row count (`core.model.lora_delta`; tests/test_batched_verify.py checks it).
-        self.rows_verify_exact = (config.rows_verify_width > 1 and self.spec.quantized
-                                  and all_matmuls_integer(params))
+        self.rows_exact = self.spec.quantized and all_matmuls_integer(params)
+        self.rows_verify_exact = config.rows_verify_width > 1 and self.rows_exact
+        self.chunk_in_decode = config.chunk_in_decode and self.rows_exact
         # A decode step of rows under many adapters batches their products over the slots, where that rounds as
         # the per-slot pairs do on this host (`core.model.lora_delta`); the probe runs once per process and shapes.
         exact = bool(config.adapter_slots) and slot_batched_lora_exact(
@@ -249,6 +255,10 @@ class Engine:
                 table["prefill", size, attend] = jit(f"prefill chunk {size} (attends {attend})", _prefill_step,
                                                      attend=attend, **model)
             table["decode", attend] = jit(f"decode step (attends {attend})", _decode_step, attend=attend, **decode)
+            if self.chunk_in_decode:
+                table["decode_chunk", attend] = jit(
+                    f"decode step + prefill chunk {self.row_chunk} (attends {attend})", _decode_chunk_step,
+                    attend=attend, **decode)
             if self.fused_sampling:
                 for kind, needs_full in (("decode_sample", False), ("decode_sample_full", True)):
                     table[kind, attend] = jit(f"decode + sampler{' full' if needs_full else ''} (attends {attend})",
@@ -292,6 +302,8 @@ class Engine:
             return params, cache, i32(rows, self.row_chunk), i32(3, rows)
         if kind == "decode":
             return params, cache, i32(4, rows)
+        if kind == "decode_chunk":
+            return params, cache, i32(4, rows), i32(1, self.row_chunk), i32(4)
         if kind in ("decode_sample", "decode_sample_full"):
             return params, cache, i32(4, rows), sampler, i32(rows), i32(rows)
         if kind == "verify":
@@ -482,6 +494,23 @@ class Engine:
         logits, self.cache = self.programs["decode", self.bucket_for(packed[1])](self.params, self.cache, packed)
         return logits
 
+    def decode_with_chunk(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray, slot: int,
+                          chunk: np.ndarray, start: int) -> tuple[jax.Array, jax.Array]:
+        """`decode` and `prefill_chunk` of slot ``slot`` (not decoding; at most row_chunk tokens from start) in
+        one pass (`chunk_in_decode`; check `compiled_for("decode_chunk", ...)` first): (logits [S, V], the
+        chunk's last logits [V]), each what its own call gives bit for bit."""
+        chunk = np.asarray(chunk, np.int32)
+        if not 1 <= len(chunk) <= self.row_chunk or active[slot]:
+            raise ValueError(f"slot {slot}: 1..{self.row_chunk} tokens of a slot that is not decoding")
+        self._check_positions(start, len(chunk))
+        packed = _decode_inputs(tokens, positions, active, self.slot_adapters)
+        padded = np.zeros((1, self.row_chunk), np.int32)
+        padded[0, :len(chunk)] = chunk
+        attend = self.bucket_for(np.append(packed[1], start + len(chunk) - 1))
+        logits, chunk_logits, self.cache = self.programs["decode_chunk", attend](
+            self.params, self.cache, packed, padded, self._one_slot(start, len(chunk), slot))
+        return logits, chunk_logits
+
     def fused_ready(self, positions: np.ndarray, needs_full: bool) -> bool:
         """Whether `decode_sample` can run a step at these positions now (its program exists and is compiled)."""
         return self.compiled_for(_fused_kind(needs_full), positions)
@@ -665,6 +694,15 @@ def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int, sl
     tokens, positions, active, adapters = packed[0], packed[1], packed[2], packed[3]
     return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width,
                        adapters=adapters, slot_batched_lora=slot_batched_lora)
+
+
+def _decode_chunk_step(params, cache, packed, tokens, ints, *, cfg, view_width: int, attend: int,
+                       slot_batched_lora: int | None):
+    logits, chunk_logits, cache = decode_with_chunk(
+        params, cache, packed[0], packed[1], packed[2], tokens, ints[0:1], ints[1:2], ints[2:3], cfg=cfg,
+        attend=attend, view_width=view_width, adapters=packed[3], chunk_adapter=ints[3:4],
+        slot_batched_lora=slot_batched_lora)
+    return logits, chunk_logits[0], cache
 
 
 def _decode_inputs(tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,

@@ -364,27 +364,42 @@ def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: 
     return jax.lax.cond(jnp.any(rows >= 0), with_terms, lambda: y)  # no adapted row: no products at all
 
 
-def project_qkv(x: jax.Array, lp: dict[str, Any], layer: Any, num_heads: int, chunk: Chunk | None = None
-                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """q [B, T, nh, d] and, for a layer that owns its cache, raw k and v [B, T, kh, d] (v is k where the
-    layer shares them); from one fused "qkv_proj" matmul when present (core.weights.fuse_projections); with
-    the rows' LoRA terms when ``chunk`` carries adapters."""
-    b, t = x.shape[:2]
-    q_out, kv_out = num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    kv_shape = (b, t, layer.num_kv_heads, layer.head_dim)
+def linear_rows(xs: list[jax.Array], w: Any) -> list[jax.Array]:
+    """`linear` of several groups' inputs xs [..., in] in one product, so the weight is read once for all:
+    one output per group, in its own shape. Only where every product is exact whatever its row count (int8 x
+    int8 -> int32, `core.weights.all_matmuls_integer`) does a group's result keep the bits it has alone."""
+    if len(xs) == 1:
+        return [linear(xs[0], w)]
+    counts = [math.prod(x.shape[:-1]) for x in xs]
+    y = linear(jnp.concatenate([x.reshape(n, x.shape[-1]) for x, n in zip(xs, counts, strict=True)]), w)
+    parts = jnp.split(y, np.cumsum(counts)[:-1].tolist())
+    return [part.reshape(*x.shape[:-1], -1) for part, x in zip(parts, xs, strict=True)]
+
+
+def project_qkv(xs: list[jax.Array], lp: dict[str, Any], layer: Any, num_heads: int, chunks: list[Chunk]
+                ) -> list[tuple[jax.Array, jax.Array | None, jax.Array | None]]:
+    """Per group of x [B, T, H]: q [B, T, nh, d] and, for a layer that owns its cache, raw k and v
+    [B, T, kh, d] (v is k where the layer shares them); from one fused "qkv_proj" matmul when present
+    (core.weights.fuse_projections); with the rows' LoRA terms where the chunk carries adapters."""
+    kv_out = layer.num_kv_heads * layer.head_dim
     if "qkv_proj" in lp:
-        qkv = linear(x, lp["qkv_proj"])
-        q = adapted(qkv[..., :q_out], x, lp, "q_proj", chunk)
-        k = adapted(qkv[..., q_out:q_out + kv_out], x, lp, "k_proj", chunk).reshape(kv_shape)
-        v = k if layer.k_eq_v else adapted(qkv[..., q_out + kv_out:q_out + 2 * kv_out], x, lp, "v_proj",
-                                           chunk).reshape(kv_shape)
+        names = ["q_proj", "k_proj"] + ([] if layer.k_eq_v else ["v_proj"])
+        bounds = [0, num_heads * layer.head_dim]
+        bounds += [bounds[-1] + kv_out * i for i in range(1, len(names))]
+        outs = [[y[..., lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+                for y in linear_rows(xs, lp["qkv_proj"])]
     else:
-        q = adapted(linear(x, lp["q_proj"]), x, lp, "q_proj", chunk)
-        k = v = None
-        if layer.owns_cache:
-            k = adapted(linear(x, lp["k_proj"]), x, lp, "k_proj", chunk).reshape(kv_shape)
-            v = k if layer.k_eq_v else adapted(linear(x, lp["v_proj"]), x, lp, "v_proj", chunk).reshape(kv_shape)
-    return q.reshape(b, t, num_heads, layer.head_dim), k, v
+        names = ["q_proj"] + (["k_proj"] + ([] if layer.k_eq_v else ["v_proj"]) if layer.owns_cache else [])
+        outs = list(zip(*[linear_rows(xs, lp[name]) for name in names], strict=True))
+    result = []
+    for x, chunk, parts in zip(xs, chunks, outs, strict=True):
+        b, t = x.shape[:2]
+        q, *kv = [adapted(y, x, lp, name, chunk) for y, name in zip(parts, names, strict=True)]
+        kv = [y.reshape(b, t, layer.num_kv_heads, layer.head_dim) for y in kv]
+        k = kv[0] if kv else None
+        v = kv[1] if len(kv) > 1 else k
+        result.append((q.reshape(b, t, num_heads, layer.head_dim), k, v))
+    return result
 
 
 def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, h_emb: jax.Array) -> jax.Array:
@@ -439,22 +454,43 @@ def hidden_states(
     (`lora_delta`; the slots are the layers' "lora" params; None: no row has one); slot_batched_lora:
     `lora_delta`'s slot_batched_over.
     """
-    t = tokens.shape[1]
-    dtype = params["final_norm"].dtype  # the compute dtype
-    positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]  # [B, T] absolute positions
-    h, ple = embed(params, tokens, cfg=cfg)
+    chunk = make_chunk(starts, n_valid, slots, tokens.shape[1], attend=attend, view_width=view_width,
+                       adapters=adapters, slot_batched_lora=slot_batched_lora)
+    (h,), cache = grouped_hidden_states(params, cache, [(tokens, chunk)], cfg=cfg)
+    return h, cache
 
-    ropes = {}
-    for layer in cfg.layers:
-        key = (layer.kind, layer.head_dim)
-        if key not in ropes:
-            ropes[key] = rope_tables(positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
-    chunk = Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
-                  attend=attend, view_width=view_width, adapters=adapters, slot_batched_lora=slot_batched_lora)
+
+def make_chunk(starts: jax.Array, n_valid: jax.Array, slots: jax.Array | None, t: int, *, attend: int | None,
+               view_width: int, adapters: jax.Array | None, slot_batched_lora: int | None) -> Chunk:
+    """Where a call's T tokens per row sit (arguments as in `hidden_states`)."""
+    positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]  # [B, T] absolute positions
+    return Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
+                 attend=attend, view_width=view_width, adapters=adapters, slot_batched_lora=slot_batched_lora)
+
+
+def grouped_hidden_states(params: Params, cache: KVCache, groups: list[tuple[jax.Array, Chunk]], *,
+                          cfg: ModelConfig) -> tuple[list[jax.Array], KVCache]:
+    """`hidden_states` of several groups in one pass: groups of (tokens [B, T], chunk), each with its own B and
+    T, for different slots. Every op keeps each group's own shapes but the weight products, which take all
+    groups' rows at once (`linear_rows`): a decode step's rows and a prompt chunk read each weight once.
+    Returns h [B, T, H] per group and the cache."""
+    dtype = params["final_norm"].dtype  # the compute dtype
+    embedded = [embed(params, tokens, cfg=cfg) for tokens, _ in groups]
+    hs = [h for h, _ in embedded]
+    chunks = [chunk for _, chunk in groups]
+    ropes = []
+    for chunk in chunks:
+        tables = {}
+        for layer in cfg.layers:
+            key = (layer.kind, layer.head_dim)
+            if key not in tables:
+                tables[key] = rope_tables(chunk.positions, cfg.rope_for(layer.kind).inv_freq(layer.head_dim), dtype)
+        ropes.append(tables)
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
-        h, cache = decoder_layer(h, cache, lp, layer, cfg, chunk, ropes[(layer.kind, layer.head_dim)],
-                                 None if ple is None else ple[:, :, layer.index, :])
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), cache
+        key = (layer.kind, layer.head_dim)
+        ples = [None if ple is None else ple[:, :, layer.index, :] for _, ple in embedded]
+        hs, cache = decoder_layer(hs, cache, lp, layer, cfg, chunks, [tables[key] for tables in ropes], ples)
+    return [rms_norm(h, params["final_norm"], cfg.rms_norm_eps) for h in hs], cache
 
 
 def last_real_token(h: jax.Array, n_valid: jax.Array) -> jax.Array:
@@ -503,6 +539,39 @@ def decode_step(
     `hidden_states`: (logits [B, V] float32, cache)."""
     return prefill_chunk(params, cache, tokens[:, None], positions, active, None, cfg=cfg, attend=attend,
                          view_width=view_width, adapters=adapters, slot_batched_lora=slot_batched_lora)
+
+
+def decode_with_chunk(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    active: jax.Array,
+    chunk_tokens: jax.Array,
+    chunk_start: jax.Array,
+    chunk_n: jax.Array,
+    chunk_slot: jax.Array,
+    *,
+    cfg: ModelConfig,
+    attend: int | None = None,
+    view_width: int = 1,
+    adapters: jax.Array | None = None,
+    chunk_adapter: jax.Array | None = None,
+    slot_batched_lora: int | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """A decode step (tokens, positions, active [B], adapters as in `decode_step`) and a prompt chunk of one
+    other slot (chunk_tokens [1, T], chunk_start, chunk_n, chunk_slot and chunk_adapter [1], as
+    `prefill_chunk` takes them) in one pass whose weight products read each weight once for both
+    (`grouped_hidden_states`): (decode logits [B, V], the chunk's logits at its last real token [1, V], cache).
+    Each equals what its own call gives, bit for bit, where every product is integer (W8A8, int8 KV)."""
+    step = make_chunk(positions, active, None, 1, attend=attend, view_width=view_width, adapters=adapters,
+                      slot_batched_lora=slot_batched_lora)
+    chunk = make_chunk(chunk_start, chunk_n, chunk_slot, chunk_tokens.shape[1], attend=attend,
+                       view_width=view_width, adapters=chunk_adapter, slot_batched_lora=None)
+    (h_step, h_chunk), cache = grouped_hidden_states(params, cache, [(tokens[:, None], step), (chunk_tokens, chunk)],
+                                                     cfg=cfg)
+    step_logits, chunk_logits = lm_head_rows(params, cfg, [h_step[:, 0], last_real_token(h_chunk, chunk_n)])
+    return step_logits, chunk_logits, cache
 
 
 def sequence_logits(
@@ -563,46 +632,57 @@ class Chunk:
     slot_batched_lora: int | None = None  # `lora_delta`'s slot_batched_over
 
 
-def decoder_layer(h: jax.Array, cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig, chunk: Chunk,
-                  rope: tuple[jax.Array, jax.Array], ple: jax.Array | None) -> tuple[jax.Array, KVCache]:
-    """One decoder layer over hidden states h [B, T, H]: writes its K/V (if it owns a cache) before
-    attending over the cache; ple [B, T, P] is this layer's per-layer input (Gemma 4) or None."""
+def decoder_layer(hs: list[jax.Array], cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig,
+                  chunks: list[Chunk], ropes: list[tuple[jax.Array, jax.Array]], ples: list[jax.Array | None]
+                  ) -> tuple[list[jax.Array], KVCache]:
+    """One decoder layer over each group's hidden states h [B, T, H] (`grouped_hidden_states`): every group
+    writes its K/V (if the layer owns a cache) before any attends over the cache; ple [B, T, P] is a group's
+    per-layer input (Gemma 4) or None."""
     eps = cfg.rms_norm_eps
-    cos, sin = rope
-    x = rms_norm(h, lp["input_layernorm"], eps)
-    q_raw, k_raw, v = project_qkv(x, lp, layer, cfg.num_heads, chunk)
-    if layer.owns_cache:
-        # Query and key heads are normed and rotated as one array: the key heads alone are few rows, and
-        # XLA's CPU reduction then rounds differently by row count (decode vs verify chunks would differ).
-        nh, kh, d = q_raw.shape[2], k_raw.shape[2], q_raw.shape[3]
-        scale = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (nh, d)), jnp.broadcast_to(lp["k_norm"], (kh, d))])
-        heads = apply_rope(rms_norm(jnp.concatenate([q_raw, k_raw], axis=2), scale, eps), cos, sin)
-        q, k = heads[:, :, :nh], heads[:, :, nh:]
-        if cfg.has_v_norm:
-            v = rms_norm(v, None, eps)
-        cache = write_chunk(cache, layer.index, k, v, chunk.positions, chunk.n_valid, chunk.slots)
-    else:
-        q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
-    attn = layer_attention(q, cache[layer_key(layer.kv_source)], layer.is_sliding, cfg, chunk)
-    h = h + rms_norm(adapted(linear(attn, lp["o_proj"]), attn, lp, "o_proj", chunk),
-                     lp["post_attention_layernorm"], eps)
+    groups = range(len(hs))
+    xs = [rms_norm(h, lp["input_layernorm"], eps) for h in hs]
+    qs = []
+    for (q_raw, k_raw, v), chunk, (cos, sin) in zip(project_qkv(xs, lp, layer, cfg.num_heads, chunks), chunks,
+                                                     ropes, strict=True):
+        if layer.owns_cache:
+            # Query and key heads are normed and rotated as one array: the key heads alone are few rows, and
+            # XLA's CPU reduction then rounds differently by row count (decode vs verify chunks would differ).
+            nh, kh, d = q_raw.shape[2], k_raw.shape[2], q_raw.shape[3]
+            scale = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (nh, d)),
+                                     jnp.broadcast_to(lp["k_norm"], (kh, d))])
+            heads = apply_rope(rms_norm(jnp.concatenate([q_raw, k_raw], axis=2), scale, eps), cos, sin)
+            q, k = heads[:, :, :nh], heads[:, :, nh:]
+            if cfg.has_v_norm:
+                v = rms_norm(v, None, eps)
+            cache = write_chunk(cache, layer.index, k, v, chunk.positions, chunk.n_valid, chunk.slots)
+        else:
+            q = apply_rope(rms_norm(q_raw, lp["q_norm"], eps), cos, sin)
+        qs.append(q)
+    entry = cache[layer_key(layer.kv_source)]
+    attns = [layer_attention(q, entry, layer.is_sliding, cfg, chunk) for q, chunk in zip(qs, chunks, strict=True)]
+    outs = linear_rows(attns, lp["o_proj"])
+    hs = [hs[g] + rms_norm(adapted(outs[g], attns[g], lp, "o_proj", chunks[g]), lp["post_attention_layernorm"],
+                           eps) for g in groups]
 
-    x = rms_norm(h, lp["pre_feedforward_layernorm"], eps)
+    xs = [rms_norm(h, lp["pre_feedforward_layernorm"], eps) for h in hs]
     if "gate_up_proj" in lp:  # fused (core.weights.fuse_projections)
-        gate, up = jnp.split(linear(x, lp["gate_up_proj"]), 2, axis=-1)
+        gates, ups = zip(*[jnp.split(y, 2, axis=-1) for y in linear_rows(xs, lp["gate_up_proj"])], strict=True)
     else:
-        gate, up = linear(x, lp["gate_proj"]), linear(x, lp["up_proj"])
-    gate, up = adapted(gate, x, lp, "gate_proj", chunk), adapted(up, x, lp, "up_proj", chunk)
-    act = jax.nn.gelu(gate, approximate=True) * up
-    mlp = adapted(linear(act, lp["down_proj"]), act, lp, "down_proj", chunk)
-    h = h + rms_norm(mlp, lp["post_feedforward_layernorm"], eps)
+        gates, ups = linear_rows(xs, lp["gate_proj"]), linear_rows(xs, lp["up_proj"])
+    acts = [jax.nn.gelu(adapted(gates[g], xs[g], lp, "gate_proj", chunks[g]), approximate=True)
+            * adapted(ups[g], xs[g], lp, "up_proj", chunks[g]) for g in groups]
+    mlps = linear_rows(acts, lp["down_proj"])
+    hs = [hs[g] + rms_norm(adapted(mlps[g], acts[g], lp, "down_proj", chunks[g]), lp["post_feedforward_layernorm"],
+                           eps) for g in groups]
 
-    if ple is not None:
-        gate = jax.nn.gelu(linear(h, lp["per_layer_input_gate"]), approximate=True)
-        h = h + rms_norm(linear(gate * ple, lp["per_layer_projection"]), lp["post_per_layer_input_norm"], eps)
+    if ples[0] is not None:
+        gates = [jax.nn.gelu(y, approximate=True) for y in linear_rows(hs, lp["per_layer_input_gate"])]
+        projected = linear_rows([gate * ple for gate, ple in zip(gates, ples, strict=True)],
+                                lp["per_layer_projection"])
+        hs = [h + rms_norm(y, lp["post_per_layer_input_norm"], eps) for h, y in zip(hs, projected, strict=True)]
     if cfg.has_layer_scalar:
-        h = h * lp["layer_scalar"].astype(h.dtype)
-    return h, cache
+        hs = [h * lp["layer_scalar"].astype(h.dtype) for h in hs]
+    return hs, cache
 
 
 # A sliding layer's queries of a long chunk attend in blocks of this many, each over the view its own block
@@ -633,12 +713,20 @@ def layer_attention(q: jax.Array, entry: dict[str, jax.Array], sliding: bool, cf
 
 def lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """Hidden states h [..., H] (final-normed) -> logits [..., V] float32, soft-capped where the model says so."""
+    return lm_head_rows(params, cfg, [h])[0]
+
+
+def lm_head_rows(params: Params, cfg: ModelConfig, hs: list[jax.Array]) -> list[jax.Array]:
+    """`lm_head` of several groups' hidden states in one product (`linear_rows`)."""
     weight = params["lm_head"] if params.get("lm_head") is not None else params["embed"]
-    logits = linear(h, weight).astype(jnp.float32)
-    if cfg.final_logit_softcap is not None:
-        cap = cfg.final_logit_softcap
-        logits = jnp.tanh(logits / cap) * cap
-    return logits
+    out = []
+    for logits in linear_rows(hs, weight):
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            cap = cfg.final_logit_softcap
+            logits = jnp.tanh(logits / cap) * cap
+        out.append(logits)
+    return out
 
 
 def write_chunk(

@@ -18,7 +18,7 @@ from core.sampling import batch_needs_full
 from scheduler.disk_tier import DiskTier
 from scheduler.grammar import fill_masks
 from scheduler.host_tier import HostTier
-from scheduler.plan import CopyPrefix, RestoreFromHost, SaveToHost, StepOutcome, StepPlan
+from scheduler.plan import CopyPrefix, PrefillChunk, RestoreFromHost, SaveToHost, StepOutcome, StepPlan
 from scheduler.sequence import Sequence
 from scheduler.slots import Slot
 
@@ -39,12 +39,7 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
     if plan.rows:
         _prefill_rows(engine, plan, out)
     for chunk in plan.chunks:
-        logits = engine.prefill_chunk(chunk.seq.slot, chunk.tokens, chunk.start)
-        if chunk.last:
-            mask = constraint_masks(engine, [(chunk.seq, 0)], 1, out)
-            limit = chunk.seq.dry.limit if chunk.seq.dry is not None else 0
-            out.first[chunk.seq.id] = (engine.sample_slot(chunk.seq.slot, logits, step=0, mask=mask,
-                                                          dry_limit=limit), 0)
+        _first_token(engine, chunk, engine.prefill_chunk(chunk.seq.slot, chunk.tokens, chunk.start), out)
     if plan.decode:
         _decode(engine, plan, out)
     if plan.verify is not None:
@@ -103,6 +98,15 @@ def _prefill_rows(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
             out.first[seq.id] = (result, seq.slot)
 
 
+def _first_token(engine: Engine, chunk: PrefillChunk, logits, out: StepOutcome) -> None:
+    """Sample a sequence's first token from its prompt's last chunk's logits [V] (nothing for other chunks)."""
+    if chunk.last:
+        mask = constraint_masks(engine, [(chunk.seq, 0)], 1, out)
+        limit = chunk.seq.dry.limit if chunk.seq.dry is not None else 0
+        out.first[chunk.seq.id] = (engine.sample_slot(chunk.seq.slot, logits, step=0, mask=mask,
+                                                      dry_limit=limit), 0)
+
+
 def _record_time(engine: Engine, out: StepOutcome, kind: str, begin: float, programs_ran: int) -> None:
     """A step's wall time, for the planner's cost estimates and the metrics, unless it was a program's first
     run (`ProgramTable.programs_run` moved): one-time set-up would make that step look several times dearer,
@@ -123,6 +127,13 @@ def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
         active[slot] = True
     seqs = [row.seq for row in plan.decode]
     needs_full = batch_needs_full(seq.request.sampling for seq in seqs)
+    carried = plan.carried
+    if carried is not None:  # its time is not a decode step's (the speculation estimates compare those)
+        logits, chunk_logits = engine.decode_with_chunk(tokens, positions, active, carried.seq.slot,
+                                                        carried.tokens, carried.start)
+        _first_token(engine, carried, chunk_logits, out)
+        out.decoded = _sample_rows(engine, logits, seqs, steps, out)
+        return
     if all(seq.request.constraint is None for seq in seqs) and engine.fused_ready(positions, needs_full):
         out.decoded = engine.decode_sample(tokens, positions, active, steps, needs_full, _dry_limits(engine, seqs))
     else:

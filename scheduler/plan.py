@@ -83,13 +83,14 @@ class StepPlan:
     rows: list[PrefillChunk] = field(default_factory=list)  # one batched prefill call (each completes a prompt)
     chunks: list[PrefillChunk] = field(default_factory=list)  # single-slot prefill calls, in order
     decode: list[StepRow] = field(default_factory=list)  # one batched decode step (one input each)
+    carried: PrefillChunk | None = None  # a short prompt chunk the decode step takes along (same pass)
     verify: StepRow | None = None  # one speculative step for a lone stream
     verify_rows: list[StepRow] = field(default_factory=list)  # one batched speculative step
 
     @property
     def empty(self) -> bool:
-        return not (self.cache_ops or self.admitted or self.rows or self.chunks or self.decode or self.verify
-                    or self.verify_rows)
+        return not (self.cache_ops or self.admitted or self.rows or self.chunks or self.decode or self.carried
+                    or self.verify or self.verify_rows)
 
 
 @dataclass

@@ -99,6 +99,7 @@ class SchedulerStats:
     rejected_queue_full: int = 0
     cancelled: int = 0
     batched_prefills: int = 0  # calls that prefilled several short prompts at once (engine.prefill_rows)
+    carried_chunks: int = 0  # prompt chunks a decode step took along (engine.decode_with_chunk)
     speculative_steps: int = 0  # verify steps (each also counted in decode_steps)
     batched_speculative_steps: int = 0  # of those, batched over several streams (engine.verify_rows)
     draft_tokens: int = 0  # drafted tokens sent to verify steps
@@ -321,8 +322,10 @@ class Scheduler:
         if plan.rows:
             self.stats.batched_prefills += 1
             self.stats.prefill_chunks += 1
-        self.stats.prefill_chunks += len(plan.chunks)
-        for chunk in plan.rows + plan.chunks:
+        carried = [plan.carried] if plan.carried is not None else []
+        self.stats.prefill_chunks += len(plan.chunks) + len(carried)
+        self.stats.carried_chunks += len(carried)
+        for chunk in plan.rows + plan.chunks + carried:
             seq = chunk.seq
             self.kv.extend(seq.slot, chunk.tokens.tolist())
             seq.cursor = chunk.end

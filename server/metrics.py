@@ -75,6 +75,7 @@ class _SchedulerCollector(Collector):
             ("rejected_queue_full", "requests refused because the queue was full"),
             ("cancelled", "requests cancelled (client gone or shutdown)"),
             ("batched_prefills", "calls that prefilled several short prompts at once"),
+            ("carried_chunks", "prompt chunks a decode step took along in the same pass"),
             ("speculative_steps", "speculative verify steps (a lone greedy stream, or batched)"),
             ("batched_speculative_steps", "speculative verify steps batched over several greedy streams"),
             ("draft_tokens", "prompt-lookup draft tokens verified"),

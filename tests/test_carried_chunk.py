@@ -1,0 +1,152 @@
+"""A decode step that carries another slot's prompt chunk (`Engine.decode_with_chunk`) gives, bit for bit, what
+the decode step and the prefill chunk give as two calls: every decode row's logits, the chunk's last logits and
+the whole KV cache, on both tiny families (with and without LoRA adapters) and the default model, W8A8 weights
+and int8 KV (where the engine builds the program). Then the scheduler: chat turns that arrive while streams
+decode ride along with decode steps instead of calls of their own, and every output equals its cold run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.engine import Engine, EngineConfig
+from core.weights import random_params, to_w8a8
+from scheduler_helpers import VOCAB, cold, ids, make, request
+from tiny_models import WINDOW, model_config
+
+ROUNDS = 4
+
+
+def copied(tree):
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+def carrying_engine(cfg, params, slots: int, max_len: int, chunks: tuple[int, ...], adapter_slots: int = 0,
+                    quantized: bool = True) -> Engine:
+    config = EngineConfig(num_slots=slots, max_len=max_len, chunk_sizes=chunks, kv_dtype="int8" if quantized else None,
+                          verify_width=0, chunk_in_decode=True, adapter_slots=adapter_slots, adapter_rank=8)
+    return Engine(cfg, to_w8a8(params) if quantized else params, config, "float32")
+
+
+def carried_against_separate(engine: Engine, prompts: list[np.ndarray], rng: np.random.Generator) -> int:
+    """Slots 0..S-2 hold their prompts and decode; the last slot holds its prompt and prefills a chunk of
+    1..row_chunk tokens each round. Each round runs both ways on copies of one cache and asserts equal
+    decode rows, chunk logits and caches. Returns the rounds compared."""
+    assert engine.chunk_in_decode
+    slots, width = engine.num_slots, engine.row_chunk
+    for slot, prompt in enumerate(prompts):
+        engine.prefill(slot, prompt, 0)
+    positions = np.array([len(p) for p in prompts], np.int32)
+    carried = slots - 1
+    active = np.arange(slots) != carried
+    for round_ in range(ROUNDS):
+        tokens = rng.integers(3, engine.cfg.vocab_size, size=slots).astype(np.int32)
+        chunk = rng.integers(3, engine.cfg.vocab_size, size=1 + (3 * round_) % width).astype(np.int32)
+        start = int(positions[carried])
+        before = engine.cache
+        engine.cache = copied(before)
+        logits, chunk_logits = engine.decode_with_chunk(tokens, positions, active, carried, chunk, start)
+        together = engine.cache
+        engine.cache = copied(before)
+        alone = engine.decode(tokens, positions, active)
+        chunk_alone = engine.prefill_chunk(carried, chunk, start)
+        for s in np.flatnonzero(active):
+            assert np.array_equal(np.asarray(logits[s]), np.asarray(alone[s])), f"round {round_}, slot {s}"
+        assert np.array_equal(np.asarray(chunk_logits), np.asarray(chunk_alone)), f"round {round_}: chunk"
+        for a, b in zip(jax.tree_util.tree_leaves(together), jax.tree_util.tree_leaves(engine.cache), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), f"round {round_}: cache"
+        positions = positions + active
+        positions[carried] += len(chunk)
+    return ROUNDS
+
+
+@pytest.mark.parametrize("family", ("gemma3", "gemma4"))
+def test_a_carried_chunk_and_the_decode_rows_keep_their_bits_on_tiny_models(family, compile_cache):
+    cfg = model_config(family)
+    engine = carrying_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
+                             chunks=(4, 8, 16))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (WINDOW + 3, 2, 2 * WINDOW - 4)]
+    assert carried_against_separate(engine, prompts, rng) == ROUNDS
+
+
+@pytest.mark.parametrize("family", ("gemma3", "gemma4"))
+def test_a_carried_chunk_keeps_its_bits_under_lora_adapters(family, compile_cache):
+    """Decode rows under two adapters and the carried chunk under a third slot's adapter: each group's adapter
+    products keep the shapes of its own call."""
+    from test_lora_engine import random_adapter
+
+    cfg = model_config(family)
+    engine = carrying_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
+                             chunks=(4, 8, 16), adapter_slots=2)
+    engine.load_adapter(0, random_adapter(cfg, 8, seed=1))
+    engine.load_adapter(1, random_adapter(cfg, 5, seed=2))
+    for slot, index in enumerate((1, -1, 0)):
+        engine.use_adapter(slot, index)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (WINDOW + 3, 2, 2 * WINDOW - 4)]
+    assert carried_against_separate(engine, prompts, rng) == ROUNDS
+
+
+def test_no_carrying_program_where_products_are_not_exact_and_bad_calls_are_refused(compile_cache):
+    cfg = model_config("gemma3")
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=13)
+    float_engine = carrying_engine(cfg, params, slots=3, max_len=64, chunks=(4, 8), quantized=False)
+    assert not float_engine.chunk_in_decode
+    assert not any(key[0] == "decode_chunk" for key in float_engine.programs)
+    engine = carrying_engine(cfg, params, slots=3, max_len=64, chunks=(4, 8))
+    tokens, positions = np.ones(3, np.int32), np.zeros(3, np.int32)
+    with pytest.raises(ValueError, match="not decoding"):  # the carried slot also decodes
+        engine.decode_with_chunk(tokens, positions, np.ones(3, bool), 2, np.ones(3, np.int32), 0)
+    with pytest.raises(ValueError, match="not decoding"):  # longer than the smallest chunk
+        engine.decode_with_chunk(tokens, positions, np.array([1, 1, 0], bool), 2, np.ones(5, np.int32), 0)
+    with pytest.raises(ValueError, match="exceed"):
+        engine.decode_with_chunk(tokens, positions, np.array([1, 1, 0], bool), 2, np.ones(4, np.int32), 62)
+
+
+@pytest.mark.slow
+def test_a_carried_chunk_and_the_decode_rows_keep_their_bits_on_the_default_model(real_model):
+    from core.quality import reference_tokens
+
+    engine = carrying_engine(real_model.cfg, real_model.params, slots=8, max_len=1024, chunks=(32, 128))
+    text = np.asarray(reference_tokens(real_model.tokenizer, 900))
+    # Seven decoding prompts of different lengths, some past the 512-token sliding window; the carried slot's
+    # chunks cross the window too.
+    prompts = [text[i * 7:i * 7 + n] for i, n in enumerate((5, 40, 130, 260, 513, 600, 700, 490))]
+    assert carried_against_separate(engine, prompts, np.random.default_rng(17)) == ROUNDS
+
+
+@pytest.fixture(scope="module")
+def engine(compile_cache):
+    from core.config import ModelConfig
+    from tiny_models import GEMMA3
+
+    cfg = ModelConfig.from_hf_dict({**GEMMA3, "vocab_size": VOCAB})
+    eng = carrying_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=5), slots=8, max_len=160,
+                          chunks=(4, 16))
+    eng.warmup()
+    return eng
+
+
+def test_turns_arriving_while_streams_decode_ride_along_and_match_their_cold_runs(engine, tokenizer, monkeypatch):
+    """Two streams decode; then two short prompts arrive together. Each is prefilled a smallest chunk per decode
+    step inside that step (the second waits for the first: first come, first served), never in a call of its
+    own, and every output equals the request run alone with caching off."""
+    long = [request(ids(1, 20), max_tokens=24), request(ids(2, 23), max_tokens=24)]
+    short = [request(ids(3, 10), max_tokens=5), request(ids(4, 7), max_tokens=5)]
+    sched = make(engine, tokenizer, prefix_caching=False)
+    handles = [sched.submit(r) for r in long]
+    while sched.planner.prefilling or sched.stats.decode_steps < 2:
+        sched.step()
+    separate = []
+    original = engine.prefill_chunk
+    monkeypatch.setattr(engine, "prefill_chunk", lambda *a, **kw: separate.append(a) or original(*a, **kw))
+    carried = sched.stats.carried_chunks  # the second long prompt's tail rode along with the first's steps
+    handles += [sched.submit(r) for r in short]
+    sched.run_until_idle()
+    assert separate == []
+    assert sched.stats.carried_chunks - carried == 3 + 2  # ceil(10 / 4) + ceil(7 / 4), one per step
+    for handle, req in zip(handles, long + short, strict=True):
+        assert handle.result(timeout=0)[0] == cold(engine, tokenizer, req)
