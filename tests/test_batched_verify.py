@@ -88,15 +88,12 @@ def test_batched_verify_rows_equal_decode_rows_under_lora_adapters(family, compi
     """Slots under two different adapters and one under none: each slot's float adapter products are one
     `linear` pair over the call's rows in a decode step and a verify pass alike (`core.model.lora_delta`),
     whose rows do not depend on the row count, so verify rows stay exact."""
-    from test_lora_engine import random_adapter
+    from test_lora_engine import mix_adapters
 
     cfg = model_config(family)
     engine = exact_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
                           chunks=(4, 8, 16), adapter_slots=2)
-    engine.load_adapter(0, random_adapter(cfg, 8, seed=1))
-    engine.load_adapter(1, random_adapter(cfg, 5, seed=2))
-    for slot, index in enumerate((1, -1, 0)):
-        engine.use_adapter(slot, index)
+    mix_adapters(engine, cfg)
     rng = np.random.default_rng(6)
     prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (WINDOW + 3, 2, 2 * WINDOW + 1)]
     assert verify_against_decode(engine, prompts, rng) >= 3 * ROUNDS

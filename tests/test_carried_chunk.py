@@ -76,15 +76,12 @@ def test_a_carried_chunk_and_the_decode_rows_keep_their_bits_on_tiny_models(fami
 def test_a_carried_chunk_keeps_its_bits_under_lora_adapters(family, compile_cache):
     """Decode rows under two adapters and the carried chunk under a third slot's adapter: each group's adapter
     products keep the shapes of its own call."""
-    from test_lora_engine import random_adapter
+    from test_lora_engine import mix_adapters
 
     cfg = model_config(family)
     engine = carrying_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
                              chunks=(4, 8, 16), adapter_slots=2)
-    engine.load_adapter(0, random_adapter(cfg, 8, seed=1))
-    engine.load_adapter(1, random_adapter(cfg, 5, seed=2))
-    for slot, index in enumerate((1, -1, 0)):
-        engine.use_adapter(slot, index)
+    mix_adapters(engine, cfg)
     rng = np.random.default_rng(6)
     prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (WINDOW + 3, 2, 2 * WINDOW - 4)]
     assert carried_against_separate(engine, prompts, rng) == ROUNDS

@@ -33,6 +33,14 @@ def random_adapter(cfg: ModelConfig, rank: int, seed: int, scale: float = 0.5) -
     return LoraAdapter(Path(f"random-{seed}"), rank, scale, pairs)
 
 
+def mix_adapters(engine, cfg: ModelConfig) -> None:
+    """Two random adapters (ranks 8 and 5) in adapter slots 0 and 1; KV slots 0, 1, 2 use adapter 1, none, 0."""
+    engine.load_adapter(0, random_adapter(cfg, 8, seed=1))
+    engine.load_adapter(1, random_adapter(cfg, 5, seed=2))
+    for slot, index in enumerate((1, -1, 0)):
+        engine.use_adapter(slot, index)
+
+
 def tiny(family: str) -> ModelConfig:
     return ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
 
