@@ -99,8 +99,8 @@ class Planner:
         larger ones on CPU): the next iteration takes it in larger ones."""
         budget = self._plan_rows(plan, self.prefill_budget)
         sizes = self.engine.config.chunk_sizes
-        taken = {chunk.seq.id for chunk in plan.rows}
-        ready = [seq for seq in self.prefilling if seq.awaiting is None and seq.id not in taken]
+        in_rows = {chunk.seq.id for chunk in plan.rows}
+        ready = [seq for seq in self.prefilling if seq.awaiting is None and seq.id not in in_rows]
         if self._plan_carried(plan, ready):  # the other short prefills wait for the next steps' carries
             ready = [seq for seq in ready if not self._short(seq)]
         for seq in sorted(ready, key=lambda s: len(s.prompt) - s.cursor):
