@@ -402,25 +402,32 @@ def project_qkv(xs: list[jax.Array], lp: dict[str, Any], layer: Any, num_heads: 
     return result
 
 
-def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, h_emb: jax.Array) -> jax.Array:
-    """Gemma 4 per-layer embeddings, [B, T, num_layers, ple_dim]."""
-    b, t = tokens.shape
+def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: list[jax.Array], h_emb: list[jax.Array]
+                     ) -> list[jax.Array]:
+    """Gemma 4 per-layer embeddings of each group's tokens [B, T] and scaled embeddings h [B, T, H]:
+    [B, T, num_layers, ple_dim] per group (the projection's weight read once for all, `linear_rows`)."""
     n, p = cfg.num_layers, cfg.ple_dim
-    dtype = h_emb.dtype
-    token_part = embedding_rows(params["embed_per_layer"], tokens, dtype)
-    token_part = (token_part * jnp.asarray(p**0.5, dtype)).reshape(b, t, n, p)
-    proj = linear(h_emb, params["per_layer_model_projection"]) * jnp.asarray(cfg.hidden_size**-0.5, dtype)
-    proj = rms_norm(proj.reshape(b, t, n, p), params["per_layer_projection_norm"], cfg.rms_norm_eps)
-    return (proj + token_part) * jnp.asarray(2.0**-0.5, dtype)
+    dtype = h_emb[0].dtype
+    projected = linear_rows(h_emb, params["per_layer_model_projection"])
+    out = []
+    for ids, proj in zip(tokens, projected, strict=True):
+        b, t = ids.shape
+        token_part = embedding_rows(params["embed_per_layer"], ids, dtype)
+        token_part = (token_part * jnp.asarray(p**0.5, dtype)).reshape(b, t, n, p)
+        proj = proj * jnp.asarray(cfg.hidden_size**-0.5, dtype)
+        proj = rms_norm(proj.reshape(b, t, n, p), params["per_layer_projection_norm"], cfg.rms_norm_eps)
+        out.append((proj + token_part) * jnp.asarray(2.0**-0.5, dtype))
+    return out
 
 
-def embed(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> tuple[jax.Array, jax.Array | None]:
-    """tokens [B, T] int32 -> (h [B, T, H] scaled embeddings in the compute dtype, Gemma 4's per-layer
-    inputs [B, T, num_layers, P] or None)."""
+def embed(params: Params, tokens: list[jax.Array], *, cfg: ModelConfig
+          ) -> tuple[list[jax.Array], list[jax.Array] | list[None]]:
+    """Each group's tokens [B, T] int32 -> (h [B, T, H] scaled embeddings in the compute dtype, Gemma 4's
+    per-layer inputs [B, T, num_layers, P] or None), one list entry per group."""
     dtype = params["final_norm"].dtype  # the compute dtype
-    h = embedding_rows(params["embed"], tokens, dtype) * jnp.asarray(cfg.hidden_size**0.5, dtype)
-    ple = per_layer_inputs(params, cfg, tokens, h) if cfg.ple_dim else None
-    return h, ple
+    hs = [embedding_rows(params["embed"], ids, dtype) * jnp.asarray(cfg.hidden_size**0.5, dtype) for ids in tokens]
+    ples = per_layer_inputs(params, cfg, tokens, hs) if cfg.ple_dim else [None] * len(hs)
+    return hs, ples
 
 
 def hidden_states(
@@ -475,8 +482,7 @@ def grouped_hidden_states(params: Params, cache: KVCache, groups: list[tuple[jax
     groups' rows at once (`linear_rows`): a decode step's rows and a prompt chunk read each weight once.
     Returns h [B, T, H] per group and the cache."""
     dtype = params["final_norm"].dtype  # the compute dtype
-    embedded = [embed(params, tokens, cfg=cfg) for tokens, _ in groups]
-    hs = [h for h, _ in embedded]
+    hs, group_ples = embed(params, [tokens for tokens, _ in groups], cfg=cfg)
     chunks = [chunk for _, chunk in groups]
     ropes = []
     for chunk in chunks:
@@ -488,7 +494,7 @@ def grouped_hidden_states(params: Params, cache: KVCache, groups: list[tuple[jax
         ropes.append(tables)
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         key = (layer.kind, layer.head_dim)
-        ples = [None if ple is None else ple[:, :, layer.index, :] for _, ple in embedded]
+        ples = [None if ple is None else ple[:, :, layer.index, :] for ple in group_ples]
         hs, cache = decoder_layer(hs, cache, lp, layer, cfg, chunks, [tables[key] for tables in ropes], ples)
     return [rms_norm(h, params["final_norm"], cfg.rms_norm_eps) for h in hs], cache
 
