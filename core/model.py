@@ -1,14 +1,15 @@
 """Gemma 3 / Gemma 4 text decoder in plain JAX, written once against the slot KV pool.
 
-One body, `hidden_states` (embedding, decoder layers, final norm), serves every use through small entry
-points that differ only in which logits they return: `prefill_chunk` (a prompt chunk into a slot from any
-position, continuing what the slot holds) and `decode_step` (one token for every slot at once) give each row's
-logits at its last real token; `verify_chunk` (speculative verify) and `sequence_logits` (scoring a whole
-sequence) give them at every token. Each layer that owns a cache writes its chunk's K/V into it at the
-chunk's absolute positions before any query reads it (a layer sharing another's cache runs after that layer
-has written it); every query then attends over the cache alone (global layers over a prefix of the
-positions, sliding layers over a view of the last ones), so a chunk reads its own keys exactly as later
-decode steps will read them.
+One body, `hidden_states` (embedding, decoder layers, final norm), serves every use through small entry points
+that differ only in which logits they return: `prefill_chunk` (a prompt chunk into a slot from any position,
+continuing what the slot holds) and `decode_step` (one token for every slot at once) give each row's logits at
+its last real token; `verify_chunk` (speculative verify) and `sequence_logits` (scoring a whole sequence) give
+them at every token; `decode_with_chunk` runs a decode step and another slot's prompt chunk in one pass whose
+weight products take both (`grouped_hidden_states`). Each layer that owns a cache writes its chunk's K/V into
+it at the chunk's absolute positions before any query reads it (a layer sharing another's cache runs after
+that layer has written it); every query then attends over the cache alone (global layers over a prefix of the
+positions, sliding layers over a view of the last ones), so a chunk reads its own keys exactly as later decode
+steps will read them.
 
 Shapes: B rows (slots), T tokens per row, H hidden, nh query heads, kh KV heads, d head size,
 L cache positions read (an attention bucket, or a sliding view), V vocab, P per-layer input size (Gemma 4).
