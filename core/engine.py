@@ -451,11 +451,10 @@ class Engine:
     def _prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, size: int,
                        attend: int | None = None) -> jax.Array:
         n = len(tokens)
-        padded = np.zeros((1, size), np.int32)
-        padded[0, :n] = tokens
         ints = self._one_slot(start, n, slot)
         attend = attend or self.bucket_for(np.array([start + n - 1]))
-        logits, self.cache = self.programs["prefill", size, attend](self.params, self.cache, padded, ints)
+        logits, self.cache = self.programs["prefill", size, attend](self.params, self.cache, _one_row(tokens, size),
+                                                                    ints)
         return logits
 
     @property
@@ -504,11 +503,9 @@ class Engine:
             raise ValueError(f"slot {slot}: 1..{self.row_chunk} tokens of a slot that is not decoding")
         self._check_positions(start, len(chunk))
         packed = _decode_inputs(tokens, positions, active, self.slot_adapters)
-        padded = np.zeros((1, self.row_chunk), np.int32)
-        padded[0, :len(chunk)] = chunk
         attend = self.bucket_for(np.append(packed[1], start + len(chunk) - 1))
         logits, chunk_logits, self.cache = self.programs["decode_chunk", attend](
-            self.params, self.cache, packed, padded, self._one_slot(start, len(chunk), slot))
+            self.params, self.cache, packed, _one_row(chunk, self.row_chunk), self._one_slot(start, len(chunk), slot))
         return logits, chunk_logits
 
     def fused_ready(self, positions: np.ndarray, needs_full: bool) -> bool:
@@ -543,11 +540,9 @@ class Engine:
         return self._verify(slot, tokens, start)
 
     def _verify(self, slot: int, tokens: np.ndarray, start: int) -> list[int]:
-        padded = np.zeros((1, self.config.verify_tokens), np.int32)
-        padded[0, :len(tokens)] = tokens
         ints = self._one_slot(start, len(tokens), slot)
         fn = self.programs["verify", self.bucket_for(np.array([start + len(tokens) - 1]))]
-        greedy, accepted, self.cache = fn(self.params, self.cache, padded, ints)
+        greedy, accepted, self.cache = fn(self.params, self.cache, _one_row(tokens, self.config.verify_tokens), ints)
         greedy, accepted = jax.device_get((greedy, accepted))
         return [int(t) for t in greedy[: int(accepted) + 1]]
 
@@ -703,6 +698,13 @@ def _decode_chunk_step(params, cache, packed, tokens, ints, *, cfg, view_width: 
         attend=attend, view_width=view_width, adapters=packed[3], chunk_adapter=ints[3:4],
         slot_batched_lora=slot_batched_lora)
     return logits, chunk_logits[0], cache
+
+
+def _one_row(tokens: np.ndarray, width: int) -> np.ndarray:
+    """One slot's tokens as the int32 [1, width] row a one-slot program takes, zero-padded."""
+    row = np.zeros((1, width), np.int32)
+    row[0, :len(tokens)] = tokens
+    return row
 
 
 def _decode_inputs(tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
