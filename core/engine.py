@@ -607,10 +607,11 @@ class Engine:
 
     # ---- sampling -------------------------------------------------------------------------------
     def begin_request(self, slot: int, params: SamplingParams, prompt_ids: list[int] | np.ndarray, seed: int,
-                      dry_breakers: np.ndarray | None = None) -> None:
+                      dry_breakers: np.ndarray | None = None, logprobs: bool = True) -> None:
         """Install a request's sampling parameters and seed in a slot (once per admission); with DRY on,
-        dry_breakers lists its single-token sequence breakers (`core.sampling.set_slot`)."""
-        self.sampler = set_slot(self.sampler, slot, params, prompt_ids, seed, dry_breakers)
+        dry_breakers lists its single-token sequence breakers; logprobs False: its samples carry no logprobs
+        (`core.sampling.set_slot`)."""
+        self.sampler = set_slot(self.sampler, slot, params, prompt_ids, seed, dry_breakers, logprobs)
 
     def sample(self, logits: jax.Array, active: np.ndarray, steps: np.ndarray, mask: np.ndarray | None = None,
                needs_full: bool = True, dry_limits: np.ndarray | None = None) -> SampleResult:

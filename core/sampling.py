@@ -10,7 +10,9 @@ Order of operations, per row:
   2. logit_bias (added after the penalties, so a +/-100 bias is not rescaled by the repetition penalty);
   3. the allowed-token mask: disallowed -> -inf;
   4. reported logprobs = log_softmax of these processed logits, i.e. before temperature and truncation
-     (vLLM's default "processed but untruncated" distribution; independent of the sampling knobs);
+     (vLLM's default "processed but untruncated" distribution; independent of the sampling knobs), for
+     rows whose request reports them (`set_slot(..., logprobs=True)`): the normaliser is a pass over V
+     that a step skips when no row reports (other rows get logprob 0 and no top tokens);
   5. temperature == 0 -> greedy argmax of the processed logits (first index on ties);
      otherwise temperature -> top-k -> top-p -> min-p -> one categorical draw.
 
@@ -205,6 +207,7 @@ class SamplerState(NamedTuple):
     bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] i32, unused entries = V (dropped by the scatter)
     bias_vals: jax.Array  # [S, MAX_LOGIT_BIAS] f32
     dry: DryState
+    logprobs: jax.Array  # [S] bool the slot's request reports logprobs (`sample` computes them only then)
 
 
 # History kept for DRY when the caller does not give the slot length.
@@ -238,13 +241,14 @@ def _neutral_state(num_slots: int, vocab_size: int, history: int) -> SamplerStat
         bias_ids=jnp.full((s, MAX_LOGIT_BIAS), v, jnp.int32),
         bias_vals=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32),
         dry=dry_state,
+        logprobs=jnp.zeros((s,), jnp.bool_),
     )
 
 
 @jax.jit
 def _write_slot(state: SamplerState, slot: jax.Array, floats: jax.Array, top_k: jax.Array,
                 key: jax.Array, seen: jax.Array, bias_ids: jax.Array, bias_vals: jax.Array,
-                dry_row: DryState) -> SamplerState:
+                dry_row: DryState, logprobs: jax.Array) -> SamplerState:
     """One compiled update for every field of a slot (a traced slot index: no recompile per slot)."""
     f = floats
     dry_state = jax.tree_util.tree_map(lambda full, row: full.at[slot].set(row), state.dry, dry_row)
@@ -262,6 +266,7 @@ def _write_slot(state: SamplerState, slot: jax.Array, floats: jax.Array, top_k: 
         bias_ids=state.bias_ids.at[slot].set(bias_ids),
         bias_vals=state.bias_vals.at[slot].set(bias_vals),
         dry=dry_state,
+        logprobs=state.logprobs.at[slot].set(logprobs),
     )
 
 
@@ -271,11 +276,12 @@ def seed_key_data(seed: int) -> np.ndarray:
 
 
 def set_slot(state: SamplerState, slot: int, params: SamplingParams, prompt_ids: Sequence[int],
-             seed: int, dry_breakers: np.ndarray | None = None) -> SamplerState:
+             seed: int, dry_breakers: np.ndarray | None = None, logprobs: bool = True) -> SamplerState:
     """Install a request in `slot` (once per admission): parameters, seed, bias; output counts reset, the
     prompt tokens marked as seen for the repetition penalty and, with DRY on, kept as its history.
     dry_breakers: the ids of single-token sequence breakers (`core.dry.BreakerTable.single`), needed when
-    params.dry is on. Returns the new state."""
+    params.dry is on; logprobs: whether `sample` reports the slot's logprobs (a server that will not show
+    them passes False, so steps without such a row skip their normaliser). Returns the new state."""
     num_slots, vocab = state.counts.shape
     if not _is_int(slot) or not 0 <= slot < num_slots:
         raise ValueError(f"slot must be in [0, {num_slots}), got {slot!r}")
@@ -297,7 +303,7 @@ def set_slot(state: SamplerState, slot: int, params: SamplingParams, prompt_ids:
     top_k = params.top_k if params.top_k < vocab else 0  # k >= V keeps everything
     return _write_slot(state, np.int32(slot), floats, np.int32(top_k), seed_key_data(seed),
                        seen, bias_ids, bias_vals, _dry_row(state.dry.history.shape[1], vocab, params, ids,
-                                                           dry_breakers))
+                                                           dry_breakers), np.bool_(logprobs))
 
 
 def _dry_row(history: int, vocab: int, params: SamplingParams, ids: np.ndarray,
@@ -595,6 +601,31 @@ def _process_logits(logits: jax.Array, state: SamplerState, allowed_mask: jax.Ar
     return x
 
 
+def _logprobs(x: jax.Array, m: jax.Array, valid: jax.Array, tokens: jax.Array, reports: jax.Array,
+              active: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's token logprob [S] and its num_top most likely tokens [S, num_top] with logprobs, from the
+    processed logits x [S, V] and their max m [S]. Rows that do not report (reports [S] False) get logprob 0
+    and no top tokens (ids -1, logprobs -inf), whatever the other rows do, and a step where no active row
+    reports skips the normaliser's pass over V; a row whose mask allows nothing (valid False) gets -inf."""
+    s = x.shape[0]
+    reports = reports & valid
+
+    def computed() -> tuple[jax.Array, jax.Array, jax.Array]:
+        lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
+        token_lp = jnp.take_along_axis(x, jnp.maximum(tokens, 0)[:, None], 1)[:, 0] - lse
+        if not num_top:
+            return token_lp, jnp.zeros((s, 0), jnp.int32), jnp.zeros((s, 0), jnp.float32)
+        top_vals, top_ids = _block_top_k(_to_blocks(x, _TOPK_BLOCK), num_top)
+        return token_lp, top_ids, top_vals - lse[:, None]
+
+    def skipped() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jnp.zeros((s,), jnp.float32), jnp.zeros((s, num_top), jnp.int32), jnp.zeros((s, num_top), jnp.float32)
+
+    token_lp, top_ids, top_lp = lax.cond(jnp.any(reports & active), computed, skipped)
+    token_lp = jnp.where(reports, token_lp, jnp.where(valid, 0.0, _NEG_INF))
+    return token_lp, jnp.where(reports[:, None], top_ids, -1), jnp.where(reports[:, None], top_lp, _NEG_INF)
+
+
 def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | None, step: jax.Array,
            active: jax.Array, dry_limit: jax.Array | None = None, *, num_top: int = 0, needs_full: bool = True,
            k_max: int = K_MAX) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, SamplerState]:
@@ -612,7 +643,8 @@ def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | Non
     Returns tokens [S] i32 (-1 where the mask allows nothing), the token's logprob [S] f32, the num_top
     most likely tokens [S, num_top] i32 and their logprobs (descending, ties by lower id; all logprobs
     are log_softmax(processed logits), before temperature and truncation, so disallowed tokens that fill
-    out a short list have logprob -inf; rows with no allowed token give ids -1), and the updated state.
+    out a short list have logprob -inf; rows with no allowed token give ids -1; rows whose slot does not
+    report logprobs give 0 and no top tokens, `_logprobs`), and the updated state.
     """
     s, v = logits.shape
     if not 0 <= num_top <= v:
@@ -627,7 +659,6 @@ def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | Non
     m, greedy_tok = _block_argmax(lb)
     valid = m > _NEG_INF  # some token allowed
     m = jnp.where(valid, m, 0.0)  # keeps exp(x - m) NaN-free on an all -inf row
-    lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
 
     sampling = (state.temperature > 0) & valid
     t = jnp.where(sampling, state.temperature, 1.0)
@@ -642,15 +673,9 @@ def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | Non
     # An all-greedy batch skips the sampling passes; no row's result depends on which branch runs.
     drawn = lax.cond(sampling.any(), draw, lambda: jnp.zeros((s,), jnp.int32))
     tokens = jnp.where(valid, jnp.where(sampling, drawn, greedy_tok), -1).astype(jnp.int32)
-    token_lp = jnp.where(valid, jnp.take_along_axis(x, jnp.maximum(tokens, 0)[:, None], 1)[:, 0] - lse, _NEG_INF)
+    token_lp, top_ids, top_lp = _logprobs(x, m, valid, tokens, state.logprobs, active, num_top)
 
-    if num_top:
-        top_vals, top_ids = _block_top_k(_to_blocks(x, _TOPK_BLOCK), num_top)
-        top_lp = jnp.where(valid[:, None], top_vals - lse[:, None], _NEG_INF)
-        top_ids = jnp.where(valid[:, None], top_ids, -1)
-    else:
-        top_lp, top_ids = jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32)
-
+    # Count the token for active rows only; index V (out of range) drops the update.
     # Count the token for active rows only; index V (out of range) drops the update.
     idx = jnp.where(active & (tokens >= 0), tokens, v)
     rows = jnp.arange(s)

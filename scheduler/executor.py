@@ -35,7 +35,8 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
     for seq in plan.admitted:
         engine.use_adapter(seq.slot, seq.adapter_slot)
         engine.begin_request(seq.slot, seq.request.sampling, list(seq.prompt), seq.seed,
-                             dry_breakers=seq.dry.table.single if seq.dry is not None else None)
+                             dry_breakers=seq.dry.table.single if seq.dry is not None else None,
+                             logprobs=seq.request.reports_logprobs)
     if plan.rows:
         _prefill_rows(engine, plan, out)
     for chunk in plan.chunks:

@@ -54,7 +54,7 @@ def accept(seq: Sequence, result: SampleResult, row: int, stop_ids: frozenset[in
     if seq.stop_matcher is not None:
         text, stopped = seq.stop_matcher.push(text)
     event = TokenEvent(token_id=token, text=text, iteration=iteration)
-    if seq.request.sampling.logprobs or seq.request.want_logprobs:
+    if seq.request.reports_logprobs:
         event.logprob = float(result.logprobs[row])
         top = seq.request.sampling.logprobs
         event.top_logprobs = [(int(i), float(lp)) for i, lp in

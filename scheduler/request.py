@@ -81,6 +81,11 @@ class GenerationRequest:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
+    @property
+    def reports_logprobs(self) -> bool:
+        """Whether its tokens carry logprobs (the sampled token's, or top alternatives)."""
+        return bool(self.sampling.logprobs) or self.want_logprobs
+
 
 @dataclass
 class Usage:

@@ -384,6 +384,53 @@ def test_logprobs_are_processed_untruncated():
             outputs[row].append(t_row)
 
 
+def test_rows_that_do_not_report_logprobs_skip_them_and_change_nothing_else():
+    """A slot installed with logprobs=False gets logprob 0 and no top tokens (-1 / -inf); every token, every
+    reporting row's logprobs and the state are what they are when every row reports, and a step where no row
+    reports draws the same tokens. Its normaliser is skipped then: the logprob outputs would differ if not."""
+    rng = np.random.default_rng(12)
+    logits = jnp.asarray(rng.normal(size=(S, V)).astype(np.float32) * 2)
+    mask = rng.random((S, V)) < 0.7
+    mask[5] = False  # a row with no allowed token still reports -inf and token -1
+    packed = jnp.asarray(sampling.pack_mask(mask))
+    params = [SamplingParams(temperature=t, top_p=p, repetition_penalty=1.2) for t, p in [(0.0, 1.0), (0.9, 0.8)] * 4]
+
+    def run(reports: list[bool]):
+        state = sampling.init_state(S, V)
+        for row, (p, flag) in enumerate(zip(params, reports, strict=True)):
+            state = sampling.set_slot(state, row, p, [row], 50 + row, logprobs=flag)
+        outs = []
+        for step in range(3):
+            *out, state = SAMPLE(logits, state, packed, steps(step), ACTIVE, num_top=4)
+            outs.append([np.asarray(o) for o in out])
+        return outs, state
+
+    every, every_state = run([True] * S)
+    reports = [row % 3 == 0 for row in range(S)]
+    some, some_state = run(reports)
+    none, _ = run([False] * S)
+    for (tok, lp, ids, top_lp), (tok_s, lp_s, ids_s, top_lp_s), (tok_n, lp_n, ids_n, top_lp_n) in zip(
+            every, some, none, strict=True):
+        np.testing.assert_array_equal(tok_s, tok)
+        np.testing.assert_array_equal(tok_n, tok)
+        assert tok[5] == -1 and lp_s[5] == -np.inf and lp_n[5] == -np.inf
+        for row in range(S):
+            if reports[row]:
+                np.testing.assert_array_equal(lp_s[row], lp[row])
+                np.testing.assert_array_equal(ids_s[row], ids[row])
+                np.testing.assert_array_equal(top_lp_s[row], top_lp[row])
+            for (got_lp, got_ids, got_top), flags in (((lp_s, ids_s, top_lp_s), reports),
+                                                       ((lp_n, ids_n, top_lp_n), [False] * S)):
+                if flags[row]:
+                    continue
+                assert got_lp[row] == (0.0 if row != 5 else -np.inf)
+                assert (got_ids[row] == -1).all() and (got_top[row] == -np.inf).all()
+        assert np.all(lp[[0, 1, 2, 3, 4, 6, 7]] < 0)  # real logprobs where every row reports
+    for a, b in zip(jax.tree_util.tree_leaves(every_state)[:-1], jax.tree_util.tree_leaves(some_state)[:-1],
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_block_top_k_matches_lax_top_k_with_ties():
     rng = np.random.default_rng(11)
     x = rng.integers(0, 6, size=(4, 1000)).astype(np.float32)  # heavy ties
