@@ -2,7 +2,8 @@
 
     python3 benchmarks/sampler.py [--rows 8 --vocab 262144 --history 2048 --rounds 5 --iters 10]
 
-Variants: the cheap program (greedy, temperature, a grammar mask, logprobs), the full program (penalties,
+Variants: the cheap program (greedy, temperature, a grammar mask, logprobs; greedy and temperature also with
+rows that report no logprobs, as the server installs requests that do not ask), the full program (penalties,
 truncation) and the full program with DRY on in every row (llama.cpp's parameters 0.8 / 1.75 / 2, its default
 breakers; a window of 64 tokens and the whole slot), each row holding `--history` * 3/4 tokens of a random
 prompt that repeats. Rounds alternate the variants so drift on a noisy host hits all alike; the report gives
@@ -35,6 +36,8 @@ def variants() -> dict[str, tuple[dict, bool, dict]]:
         "cheap, greedy": ({"temperature": 0.0}, False, {"needs_full": False}),
         "cheap, greedy + mask": ({"temperature": 0.0}, True, {"needs_full": False}),
         "cheap, temperature 0.7": ({"temperature": 0.7}, False, {"needs_full": False}),
+        "cheap, greedy, no logprobs": ({"temperature": 0.0}, False, {"needs_full": False}),
+        "cheap, temperature 0.7, no logprobs": ({"temperature": 0.7}, False, {"needs_full": False}),
         BASELINE: ({"temperature": 0.0}, False, {}),
         "full, greedy + penalties": ({"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.5,
                                       "presence_penalty": 0.5}, False, {}),
@@ -112,7 +115,7 @@ def first_states(fn: Any, inputs: Inputs, args: argparse.Namespace) -> dict[str,
         state = sampling.init_state(args.rows, args.vocab, history=args.history)
         for row in range(args.rows):
             state = sampling.set_slot(state, row, SamplingParams(**fields), inputs.prompt, row,
-                                      dry_breakers=inputs.breakers)
+                                      dry_breakers=inputs.breakers, logprobs=not name.endswith("no logprobs"))
         states[name] = sample_step(fn, inputs, state, masked, static, args.rows)[-1]
     return states
 
