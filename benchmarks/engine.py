@@ -452,10 +452,11 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
     result["compile_seconds"] = round(engine.compile_seconds, 2)
     result["memory_after_warmup"] = memory_snapshot()
     log(f"{label}: compiled in {engine.compile_seconds:.1f} s")
-    # Serving's common case: temperature sampling without penalties/top-k/top-p (needs_full=False).
+    # Serving's common case: temperature sampling without penalties/top-k/top-p (needs_full=False), no logprobs
+    # asked for (the sampler then skips their pass over the vocabulary).
     sampling = SamplingParams(temperature=args.temperature)
     for slot in range(engine.num_slots):
-        engine.begin_request(slot, sampling, [], seed=args.seed + slot)
+        engine.begin_request(slot, sampling, [], seed=args.seed + slot, logprobs=False)
     return engine
 
 
