@@ -34,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LOOPBACK = "127.0.0.1"
+UNIX_ADDRESS = "unix:"  # a server address that names a unix socket: unix:PATH
 
 
 # ---- progress and numbers ------------------------------------------------------------------------------------
@@ -180,37 +181,50 @@ def bench_server(tree: Path, port: int, max_tokens: int, model_settings: str = "
         yield proc
 
 
+def split_address(address: str) -> tuple[str, str | None]:
+    """A server address is an http URL or ``unix:PATH`` (a server on a unix socket, for machines that open no
+    TCP socket); returns the base URL to request and the socket path (None for TCP)."""
+    if address.startswith(UNIX_ADDRESS):
+        return "http://localhost", address[len(UNIX_ADDRESS):]
+    return address, None
+
+
 class LiveServer:
     """A FastAPI app served by uvicorn in a thread of this process on a free loopback port (as the server
-    tests do), for benchmarks that time the engine inside the server."""
+    tests do), or on the unix socket ``uds``, for benchmarks that time the engine inside the server."""
 
-    def __init__(self, app: Any, http: str = "auto", loop: str = "auto") -> None:
+    def __init__(self, app: Any, http: str = "auto", loop: str = "auto", uds: str | None = None) -> None:
         import uvicorn
 
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                                                    http=http, loop=loop))
+        self.uds = uds
+        self.port = None if uds else free_port()
+        where = {"uds": uds} if uds else {"host": LOOPBACK, "port": self.port}
+        self.server = uvicorn.Server(uvicorn.Config(app, **where, log_level="warning", access_log=False,
+                                                    lifespan="on", timeout_graceful_shutdown=5, http=http,
+                                                    loop=loop))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        """The address: ``http://127.0.0.1:PORT`` or ``unix:PATH`` (see split_address)."""
+        return f"{UNIX_ADDRESS}{self.uds}" if self.uds else f"http://{LOOPBACK}:{self.port}"
 
     def start(self, timeout: float = 600) -> LiveServer:
         import httpx
 
         self.thread.start()
+        base, uds = split_address(self.url)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.1)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=uds), timeout=5) as client:
+            while True:
+                try:
+                    if client.get(f"{base}/ready").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if not self.thread.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError("the server did not become ready")
+                time.sleep(0.1)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -116,8 +116,10 @@ def compare(variants: dict[str, Callable[..., Any]], engine: Any, steps: int, ro
     same inputs (every step writes the same KV at the same place, so repeated calls are comparable)."""
     import numpy as np
 
-    packed = np.stack([np.full(engine.num_slots, 818), np.full(engine.num_slots, POSITION),
-                       np.ones(engine.num_slots)]).astype(np.int32)
+    from core.engine import _decode_inputs
+
+    slots = engine.num_slots
+    packed = _decode_inputs(np.full(slots, 818), np.full(slots, POSITION), np.ones(slots), engine.slot_adapters)
     for fn in variants.values():
         time_steps(fn, engine, packed, 1)  # first calls: not timed
     samples: dict[str, list[float]] = {name: [] for name in variants}

@@ -68,6 +68,7 @@ from benchmarks.common import (  # noqa: E402 - after the path set-up that makes
     log,
     percentile,
     save_report,
+    split_address,
     sse_chunks,
     versions,
     wait_healthy,
@@ -133,9 +134,11 @@ async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int
 async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: float) -> dict[str, Any]:
     import httpx
 
+    base_url, uds = split_address(base_url)
     url = base_url.rstrip("/") + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
+    transport = httpx.AsyncHTTPTransport(uds=uds, limits=limits)
+    async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout)) as client:
         t0, cpu0 = time.perf_counter(), time.process_time()
         sessions = await asyncio.gather(*(one_session(client, url, model, i, max_tokens, t0) for i in range(n)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -372,6 +375,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="uvicorn's HTTP implementation (auto: httptools when installed, as `slotserve serve`)")
     p.add_argument("--uvicorn-loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                    help="uvicorn's event loop (auto: uvloop when installed, as `slotserve serve`)")
+    p.add_argument("--uds", action="store_true",
+                   help="serve on a unix socket instead of a loopback port (machines that open no TCP socket)")
     p.add_argument("--slots", type=int, default=8, help="KV slots S (default 8)")
     p.add_argument("--max-len", type=int, default=2048,
                    help="positions per slot (default 2048, not the config's 8192: CPU compile and step stay modest)")
@@ -480,7 +485,8 @@ def start_ours(args: argparse.Namespace, record: dict[str, Any]) -> tuple[Any, L
                          "speculative": runtime.scheduler.config.speculative,
                          "build_s": round(time.perf_counter() - begin, 1)}
     app = create_app(config, runtime=runtime)
-    server = LiveServer(app, args.uvicorn_http, args.uvicorn_loop).start()
+    uds = str(Path(tempfile.mkdtemp()) / "slotserve.sock") if args.uds else None
+    server = LiveServer(app, args.uvicorn_http, args.uvicorn_loop, uds).start()
     log(f"server ready at {server.url} ({runtime.info()})")
     return runtime, server
 
