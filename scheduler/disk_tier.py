@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so np.dtype("bfloat16") reads accelerators' KV
 import numpy as np
 
 from core.engine import SlotSnapshot
@@ -195,7 +196,8 @@ class DiskTier:
     def _encode(self, start: int, tokens: Sequence[int], arrays: Arrays) -> bytes:
         names = [(k, n) for k in sorted(arrays) for n in sorted(arrays[k])]
         meta = {"identity": self.identity, "start": start, "tokens": [int(t) for t in tokens],
-                "arrays": [[k, n, arrays[k][n].dtype.str, list(arrays[k][n].shape)] for k, n in names]}
+                # By name: an extension dtype's .str ("<V2" for bfloat16) reads back as raw bytes.
+                "arrays": [[k, n, arrays[k][n].dtype.name, list(arrays[k][n].shape)] for k, n in names]}
         header = json.dumps(meta).encode()
         body = b"".join([_HEAD.pack(MAGIC, FORMAT, len(header)), header]
                         + [np.ascontiguousarray(arrays[k][n]).tobytes() for k, n in names])
@@ -238,6 +240,8 @@ class DiskTier:
         arrays: Arrays = {}
         offset = _HEAD.size + size
         for key, name, dtype, shape in meta["arrays"]:
+            if dtype.lstrip("<>|=").startswith("V"):  # a version that wrote bfloat16 as raw bytes ("<V2")
+                return None
             array = np.frombuffer(body, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
             offset += array.nbytes
             arrays.setdefault(key, {})[name] = array[:n]

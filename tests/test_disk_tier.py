@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -142,13 +143,15 @@ def test_files_are_private_to_the_owner(engine, tokenizer, tmp_path):
 # ---- the tier alone: synthetic KV -----------------------------------------------------------------
 
 def snapshot(tokens, start: int = 0, seed: int = 0) -> SlotSnapshot:
-    """KV stand-ins: position p's values are a function of (seed, p), int8 and float32 like a real layer."""
+    """KV stand-ins: position p's values are a function of (seed, p), int8 and float32 like a real layer on a
+    CPU, bfloat16 like one on an accelerator."""
     n = len(tokens) - start
     positions = np.arange(start, len(tokens))
     k = ((positions[:, None] * 7 + seed) % 251 - 125).astype(np.int8) * np.ones((1, 16), np.int8)
     s = (positions[:, None] * 0.5 + seed).astype(np.float32) * np.ones((1, 2), np.float32)
+    v = (positions[:, None] * 0.25 - seed).astype(ml_dtypes.bfloat16) * np.ones((1, 4), ml_dtypes.bfloat16)
     assert k.shape[0] == n
-    return SlotSnapshot(start, len(tokens), {"layer0": {"k": k, "k_scale": s}})
+    return SlotSnapshot(start, len(tokens), {"layer0": {"k": k, "k_scale": s}, "layer1": {"v": v}})
 
 
 def cut(snap: SlotSnapshot, lo: int, hi: int) -> SlotSnapshot:
@@ -160,6 +163,7 @@ def assert_same(a: SlotSnapshot, b: SlotSnapshot) -> None:
     assert (a.start, a.end) == (b.start, b.end)
     for key, entry in a.layers.items():
         for name, array in entry.items():
+            assert array.dtype == b.layers[key][name].dtype
             np.testing.assert_array_equal(array, b.layers[key][name])
 
 
