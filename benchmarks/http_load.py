@@ -11,7 +11,9 @@ What it does, in one process plus one client subprocess per wave:
 
 1. builds the runtime once (`agents.runtime.build_runtime`, configs/default.yaml with --slots/--max-len/--model
    overrides), starts its scheduler and serves it with uvicorn in a thread on a free loopback port
-   (`server.app.create_app(config, runtime=...)`, as the server tests do), and waits for /ready;
+   (`server.app.create_app(config, runtime=...)`, as the server tests do; `--uds`: on a unix socket), waits
+   for /ready, runs one small warm-up wave and waits for the background warm-up to compile every program
+   (restart_streams.py measures the time before that); `--warm-waves` also runs each wave once unmeasured;
 2. engine baseline: with the scheduler idle, times `engine.decode` + `engine.sample(needs_full=False)` for all S
    slots active for K steps, exactly the step benchmarks/engine.py times; tokens/s = S / p50 step time. It is
    measured before the first wave and after every wave, and each wave is compared with the mean of the two
@@ -377,6 +379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="uvicorn's event loop (auto: uvloop when installed, as `slotserve serve`)")
     p.add_argument("--uds", action="store_true",
                    help="serve on a unix socket instead of a loopback port (machines that open no TCP socket)")
+    p.add_argument("--warm-waves", action="store_true",
+                   help="run each wave once unmeasured first (programs' first-run set-up left out of the figures)")
     p.add_argument("--slots", type=int, default=8, help="KV slots S (default 8)")
     p.add_argument("--max-len", type=int, default=2048,
                    help="positions per slot (default 2048, not the config's 8192: CPU compile and step stay modest)")
@@ -540,6 +544,17 @@ def log_wave(n: int, wave: dict[str, Any]) -> None:
         f"split {wave['server_time_split']}")
 
 
+def wait_for_programs(engine: Any) -> float:
+    """Wait until the background warm-up has compiled every program (the waves measure a server with every
+    program loaded; restart_streams.py measures the time before); returns the seconds waited."""
+    begin = time.perf_counter()
+    if engine.programs.background is not None:
+        engine.programs.background.join()
+    waited = time.perf_counter() - begin
+    log(f"every program compiled ({waited:.1f} s after the warm-up wave)")
+    return round(waited, 1)
+
+
 def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
     runtime, server = start_ours(args, record)
     timers = EngineTimers(runtime.engine)
@@ -547,6 +562,7 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         # warm the HTTP path and the prefill/decode programs once (not measured)
         wave_in_subprocess(server.url, args.agent, 2, 4, args.timeout)
         wait_idle(runtime.scheduler)
+        record["all_programs_after_ready_s"] = wait_for_programs(runtime.engine)
         # the engine baseline brackets every wave (before it and after it): the host's load drifts over minutes,
         # so each wave is compared with the mean of the two baselines measured next to it
         record["engine_baselines"] = [engine_baseline(runtime.engine, args.engine_steps, 2, 64)]
@@ -555,6 +571,8 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         record["waves"] = []
         save()
         for n in concurrency:
+            if args.warm_waves:  # each program this N runs has run once: no first-run set-up in the figures
+                wave_in_subprocess(server.url, args.agent, n, args.max_tokens, args.timeout)
             wave = measure_wave(args, runtime, server.url, timers, n)
             after = idle_baseline(args, runtime, timers)
             before = record["engine_baselines"][-1]
