@@ -9,6 +9,7 @@
 #  http       8 and 16 HTTP streams x 128 tokens through the server (http_load.py) on a unix socket, beside the
 #             engine's own batched rate in the same process: random weights of the Gemma 3 270M shapes in a
 #             checkpoint directory written there (random_checkpoint.py) with the real tokenizer from TOKENIZER
+#  loop       the scheduler's host work per iteration without HTTP (serving_loop.py, cProfile), same weights
 #  engine     benchmarks/engine.py for each of MODELS: random weights in the device's compute dtype,
 #             8 slots x 8192, decode at ctx 512 / 8191 (buckets 1024 / 8192, no verify program, so the
 #             compile fits a lease), the fused decode + sampler program timed against two calls
@@ -48,9 +49,13 @@ engine() {
   done
 }
 
+random_checkpoint() {
+  [ -f /tmp/gemma3-270m-random/model.safetensors ] || "$py" benchmarks/random_checkpoint.py \
+    --config configs/models/gemma3-270m.json --tokenizer "$TOKENIZER" --out /tmp/gemma3-270m-random
+}
+
 http() {
-  "$py" benchmarks/random_checkpoint.py --config configs/models/gemma3-270m.json --tokenizer "$TOKENIZER" \
-    --out /tmp/gemma3-270m-random || return
+  random_checkpoint || return
   # shellcheck disable=SC2086  # HTTP_ARGS is a list of arguments
   timeout "$limit" "$py" benchmarks/http_load.py --uds --model /tmp/gemma3-270m-random --concurrency 8,16 \
     --max-tokens 128 --out "$out/http-load-$tag-gemma3-270m-random.json" ${HTTP_ARGS:-}
@@ -64,6 +69,8 @@ for step in ${STEPS:-info store engine}; do
     e2b-export) timeout "$limit" "$py" benchmarks/exported_programs.py --config configs/models/gemma4-e2b.json \
                   --buckets 1024,8192 --steps 50 --out "$out/exported-programs-$tag-gemma4-e2b.json" ;;
     http) http ;;
+    loop) random_checkpoint && timeout "$limit" "$py" benchmarks/serving_loop.py --model /tmp/gemma3-270m-random \
+            --out "$out/serving-loop-$tag-gemma3-270m-random.json" ;;
     engine) engine ;;
   esac >"$out/$step.log" 2>&1
   echo "$step: exit $? (log $out/$step.log)"
