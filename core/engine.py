@@ -119,6 +119,13 @@ class SampleResult:
     top_ids: np.ndarray
     top_logprobs: np.ndarray
 
+    @classmethod
+    def unpack(cls, packed: jax.Array) -> SampleResult:
+        """From a sampler program's one output [R, 2 + 2 * MAX_LOGPROBS] int32 (`_packed_sample`): one host copy."""
+        host = np.asarray(packed)
+        top = 2 + MAX_LOGPROBS
+        return cls(host[:, 0], host[:, 1].view(np.float32), host[:, 2:top], host[:, top:].view(np.float32))
+
 
 @dataclass
 class SlotSnapshot:
@@ -281,8 +288,8 @@ class Engine:
         for needs_full in (False, True):
             for masked in (False, True):
                 table["sample", needs_full, masked] = jit(
-                    f"sampler{' full' if needs_full else ''}{' masked' if masked else ''}", sample,
-                    num_top=MAX_LOGPROBS, needs_full=needs_full)
+                    f"sampler{' full' if needs_full else ''}{' masked' if masked else ''}", _sample_step,
+                    needs_full=needs_full)
         for masked in (False, True):
             table["sample_row", masked] = jit(f"first-token sampler{' masked' if masked else ''}", _sample_row)
         return table
@@ -519,9 +526,9 @@ class Engine:
         packed = _decode_inputs(tokens, positions, active, self.slot_adapters)
         limits = self._dry_limits(dry_limits)
         program = self.programs[_fused_kind(needs_full), self.bucket_for(packed[1])]
-        *result, self.cache, self.sampler = program(self.params, self.cache, packed, self.sampler,
+        sampled, self.cache, self.sampler = program(self.params, self.cache, packed, self.sampler,
                                                     np.asarray(steps, np.int32), limits)
-        return SampleResult(*jax.device_get(result))
+        return SampleResult.unpack(sampled)
 
     def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> list[int]:
         """One greedy speculative step for one slot holding positions 0..start-1: tokens = [its last generated
@@ -621,9 +628,9 @@ class Engine:
         top-k/top-p/min-p; dry_limits [S]: each DRY row's `core.dry.RepeatLimit.limit` (others ignore it)."""
         program = self.programs["sample", needs_full, mask is not None]
         limits = self._dry_limits(dry_limits)
-        out = program(logits, self.sampler, mask, np.asarray(steps, np.int32), np.asarray(active, bool), limits)
-        *result, self.sampler = out
-        return SampleResult(*jax.device_get(result))
+        packed, self.sampler = program(logits, self.sampler, mask, np.asarray(steps, np.int32),
+                                       np.asarray(active, bool), limits)
+        return SampleResult.unpack(packed)
 
     def _dry_limits(self, given: np.ndarray | None) -> np.ndarray:
         """[S] int32 DRY repeat limits as the samplers take them (zeros when none is given: no DRY row)."""
@@ -632,10 +639,9 @@ class Engine:
     def sample_slot(self, slot: int, logits: jax.Array, step: int, mask: np.ndarray | None = None,
                     dry_limit: int = 0) -> SampleResult:
         """Sample the token that follows a prefill (logits [V]) with the slot's own parameters."""
-        out = self.programs["sample_row", mask is not None](logits, self.sampler, np.int32(slot), np.int32(step),
-                                                             mask, np.int32(dry_limit))
-        *result, self.sampler = out
-        return SampleResult(*jax.device_get(result))
+        packed, self.sampler = self.programs["sample_row", mask is not None](
+            logits, self.sampler, np.int32(slot), np.int32(step), mask, np.int32(dry_limit))
+        return SampleResult.unpack(packed)
 
     # ---- host tier and slot-to-slot copies ---------------------------------------------------
     def save_slot(self, slot: int, start: int, end: int) -> SlotSnapshot:
@@ -727,9 +733,8 @@ def _decode_sample_step(params, cache, packed, sampler: SamplerState, steps, lim
     # The barrier keeps the logits computed as the decode program computes them (nothing of the sampler fused
     # into the model's last ops), so a row samples the same bits whichever path its step took.
     logits = jax.lax.optimization_barrier(logits)
-    *result, sampler = sample(logits, sampler, None, steps, packed[2] != 0, limits, num_top=MAX_LOGPROBS,
-                              needs_full=needs_full)
-    return (*result, cache, sampler)
+    sampled, sampler = _sample_step(logits, sampler, None, steps, packed[2] != 0, limits, needs_full=needs_full)
+    return sampled, cache, sampler
 
 
 def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -> jax.Array:
@@ -758,10 +763,26 @@ def _verify_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, atte
 def _sample_row(logits, state: SamplerState, slot, step, mask, dry_limit):
     """The full sampler on one slot's row of the state; the row's counts are written back."""
     row = jax.tree_util.tree_map(lambda a: a[slot][None], state)
-    tokens, lp, top_ids, top_lp, row = sample(logits[None], row, mask, step[None], jnp.ones((1,), bool),
-                                              dry_limit[None], num_top=MAX_LOGPROBS)
+    *result, row = sample(logits[None], row, mask, step[None], jnp.ones((1,), bool), dry_limit[None],
+                          num_top=MAX_LOGPROBS)
     state = jax.tree_util.tree_map(lambda full, part: full.at[slot].set(part[0]), state, row)
-    return tokens, lp, top_ids, top_lp, state
+    return _packed_sample(*result), state
+
+
+def _sample_step(logits, state: SamplerState, mask, steps, active, dry_limits, *, needs_full: bool):
+    """`core.sampling.sample` at the full top-logprobs width, its four results packed into one array."""
+    *result, state = sample(logits, state, mask, steps, active, dry_limits, num_top=MAX_LOGPROBS,
+                            needs_full=needs_full)
+    return _packed_sample(*result), state
+
+
+def _packed_sample(tokens, logprobs, top_ids, top_logprobs) -> jax.Array:
+    """[R, 2 + 2 * MAX_LOGPROBS] int32: tokens, logprobs' bits, top ids, top logprobs' bits. A step's results
+    leave the device as one copy instead of four (each copy off an accelerator has a fixed cost: ~0.1 ms on a
+    TPU v5e host); `SampleResult.unpack` splits it."""
+    def bits(x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
 
 
 def _read_range(cache, slot, at, *, size: int):
