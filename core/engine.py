@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -321,7 +322,7 @@ class Engine:
             return cache, i32(), i32()
         if kind == "write":
             values = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((key[1], *a.shape[2:]), a.dtype), cache)
-            return cache, values, i32(4)
+            return cache, jax.eval_shape(partial(_pack_positions, xp=jnp), values), i32(4)
         if kind == "copy":
             return cache, i32(3)
         mask = jax.ShapeDtypeStruct((rows if kind == "sample" else 1, words), jnp.uint32) if key[-1] else None
@@ -650,7 +651,8 @@ class Engine:
             raise ValueError(f"bad range [{start}, {end})")
         size = self._covering_bucket(end - start)
         at = min(start, self.max_len - size)
-        host = jax.device_get(self.programs["read", size](self.cache, np.int32(slot), np.int32(at)))
+        packed = jax.device_get(self.programs["read", size](self.cache, np.int32(slot), np.int32(at)))
+        host = _unpack_positions(packed, self.cache)
         lo = start - at
         layers = {key: {name: np.ascontiguousarray(arr[lo:lo + end - start]) for name, arr in entry.items()}
                   for key, entry in host.items()}
@@ -670,7 +672,7 @@ class Engine:
                 padded[lo:lo + n] = part
                 values[key][name] = padded
         bounds = np.array([slot, at, lo, lo + n], np.int32)
-        self.cache = self.programs["write", size](self.cache, values, bounds)
+        self.cache = self.programs["write", size](self.cache, _pack_positions(values, np), bounds)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make slot dst hold positions 0..n-1 of slot src, on the device (src must hold at least n positions)."""
@@ -785,18 +787,49 @@ def _packed_sample(tokens, logprobs, top_ids, top_logprobs) -> jax.Array:
     return jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
 
 
+def _pack_positions(tree: dict[str, dict[str, Any]], xp: Any) -> dict[str, Any]:
+    """{key: {name: [size, ...]}} as one [size, columns] array per dtype (by name), arrays in sorted (key, name)
+    order, with xp numpy or jax.numpy. A slot range crosses between host and device as one copy per dtype
+    instead of one per layer array (each copy off an accelerator has a fixed cost: a save of a 270M-shaped
+    slot took ~11 ms on a TPU v5e host as 36 copies)."""
+    groups: dict[str, list[Any]] = {}
+    for key in sorted(tree):
+        for name in sorted(tree[key]):
+            array = tree[key][name]
+            groups.setdefault(np.dtype(array.dtype).name, []).append(array.reshape(array.shape[0], -1))
+    return {dtype: xp.concatenate(parts, axis=1) for dtype, parts in groups.items()}
+
+
+def _unpack_positions(packed: dict[str, Any], cache: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """`_pack_positions` undone: views [size, ...] of each cache array's columns (`cache` [S, L, ...] gives the
+    arrays, their order and their trailing shapes)."""
+    offsets = dict.fromkeys(packed, 0)
+    out: dict[str, dict[str, Any]] = {}
+    for key in sorted(cache):
+        out[key] = {}
+        for name in sorted(cache[key]):
+            array = cache[key][name]
+            dtype, width = np.dtype(array.dtype).name, math.prod(array.shape[2:])
+            block = packed[dtype][:, offsets[dtype]:offsets[dtype] + width]
+            offsets[dtype] += width
+            out[key][name] = block.reshape(block.shape[0], *array.shape[2:])
+    return out
+
+
 def _read_range(cache, slot, at, *, size: int):
-    """Positions [at, at + size) of one slot, every array: [size, ...] each."""
+    """Positions [at, at + size) of one slot, packed by `_pack_positions`: [size, columns] per dtype."""
     def read(arr):
         start = (slot, at) + (0,) * (arr.ndim - 2)
         return jax.lax.dynamic_slice(arr, start, (1, size, *arr.shape[2:]))[0]
-    return jax.tree_util.tree_map(read, cache)
+    return _pack_positions(jax.tree_util.tree_map(read, cache), jnp)
 
 
-def _write_range(cache, values, bounds):
-    """Write values[key][name] [size, ...] into slot bounds[0] at positions bounds[1].., keeping only entries
-    [bounds[2], bounds[3]) of them (the rest of the range keeps what the slot holds)."""
+def _write_range(cache, packed, bounds):
+    """Write the values packed by `_pack_positions` ([size, ...] per cache array) into slot bounds[0] at
+    positions bounds[1].., keeping only entries [bounds[2], bounds[3]) of them (the rest of the range keeps
+    what the slot holds)."""
     slot, at, lo, hi = bounds[0], bounds[1], bounds[2], bounds[3]
+    values = _unpack_positions(packed, cache)
     out = {}
     for key, entry in cache.items():
         out[key] = {}
