@@ -466,6 +466,17 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def stage_logger() -> Any:
+    """A build_runtime progress callback that logs each stage and detail once (it is called per tensor)."""
+    seen: set[tuple[str, str]] = set()
+
+    def progress(stage: str, done: int | None = None, total: int | None = None, detail: str = "") -> None:
+        if (stage, detail) not in seen:
+            seen.add((stage, detail))
+            log(f"{stage} {detail}")
+    return progress
+
+
 def start_ours(args: argparse.Namespace, record: dict[str, Any]) -> tuple[Any, LiveServer]:
     """Our runtime, started, and its app served in this process; the config and the runtime as built go
     into ``record``."""
@@ -481,7 +492,7 @@ def start_ours(args: argparse.Namespace, record: dict[str, Any]) -> tuple[Any, L
                                             for k, v in vars(config.runtime_options()).items()}}
     begin = time.perf_counter()
     runtime = build_runtime(config.runtime_options(),
-                            progress=lambda stage, done=None, total=None, detail="": log(f"{stage} {detail}"))
+                            progress=stage_logger())
     runtime.start()
     record["runtime"] = {**runtime.info(), "dtype_reason": runtime.dtype_reason,
                          "precision_reason": runtime.precision_reason,
