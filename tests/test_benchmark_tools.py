@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks.decode_profile import busy_time, main, summarise
@@ -81,3 +82,60 @@ def test_kv_layout_memory_table_matches_the_cache_the_engine_allocates():
             sliding = row["full_bytes_per_position"] - row["ring_global_bytes_per_position"]
             assert row["ring_bytes_per_slot"] == 8192 * row["ring_global_bytes_per_position"] + 519 * sliding
     assert table["gemma3-270m"]["int8"]["ring_checkpoint_bytes"] == 15 * 519 * (2 * 256 + 8)
+
+
+def test_a_live_server_on_a_unix_socket_serves_a_client_wave(tmp_path):
+    """http_load.py --uds: machines that open no TCP socket (a TPU host) serve and load over a unix socket."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from benchmarks.common import LiveServer, split_address
+    from benchmarks.http_load import run_wave
+
+    app = FastAPI()
+
+    @app.get("/ready")
+    def ready() -> dict:
+        return {"ok": True}
+
+    @app.post("/v1/chat/completions")
+    def chat() -> StreamingResponse:
+        chunks = [{"choices": [{"delta": {"content": f"t{i}"}}]} for i in range(3)]
+        chunks.append({"choices": [], "usage": {"completion_tokens": 3}})
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return StreamingResponse(iter([body]), media_type="text/event-stream")
+
+    socket = tmp_path / "s.sock"
+    server = LiveServer(app, uds=str(socket)).start(timeout=30)
+    try:
+        assert server.url == f"unix:{socket}" and server.port is None
+        assert split_address(server.url) == ("http://localhost", str(socket))
+        assert split_address("http://127.0.0.1:8000") == ("http://127.0.0.1:8000", None)
+        wave = asyncio.run(run_wave(server.url, "m", 2, 3, timeout=30))
+    finally:
+        server.stop()
+    assert [s["error"] for s in wave["sessions"]] == [None, None]
+    assert [len(s["arrivals"]) for s in wave["sessions"]] == [3, 3]
+    assert all(s["usage"] == {"completion_tokens": 3} for s in wave["sessions"])
+
+
+def test_a_random_checkpoint_loads_as_a_model_with_the_real_tokenizer(tmp_path):
+    """random_checkpoint.py: what an accelerator machine serves when the real weights cannot travel."""
+    from benchmarks.common import default_gguf
+    from benchmarks.random_checkpoint import main as write_checkpoint
+    from core.runtime import load_model
+
+    config = json.loads(Path("configs/models/gemma3-270m.json").read_text())
+    config.update(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=8,
+                  query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "ckpt"
+    assert write_checkpoint(["--config", str(tmp_path / "config.json"), "--tokenizer", default_gguf(),
+                             "--out", str(out)]) == 0
+    model = load_model(str(out), dtype="float32", precision="float")
+    assert model.cfg.num_layers == 2 and model.cfg.vocab_size == 262144
+    assert model.tokenizer.decode(model.tokenizer.encode("a lighthouse keeper")) == "a lighthouse keeper"
+    embed = np.asarray(model.params["embed"])
+    assert embed.shape == (262144, 16) and 0.01 < float(embed.std()) < 0.03
