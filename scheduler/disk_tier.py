@@ -240,9 +240,13 @@ class DiskTier:
         arrays: Arrays = {}
         offset = _HEAD.size + size
         for key, name, dtype, shape in meta["arrays"]:
-            if dtype.lstrip("<>|=").startswith("V"):  # a version that wrote bfloat16 as raw bytes ("<V2")
+            try:
+                kind = np.dtype(dtype)
+            except TypeError:  # a dtype this process does not know
                 return None
-            array = np.frombuffer(body, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
+            if kind.type is np.void:  # raw bytes: how a version that wrote dtype.str saved bfloat16 ("<V2")
+                return None
+            array = np.frombuffer(body, kind, int(np.prod(shape)), offset).reshape(shape)
             offset += array.nbytes
             arrays.setdefault(key, {})[name] = array[:n]
         return arrays if offset == len(body) else None

@@ -6,6 +6,7 @@ writing the same entries and a reader racing them stay consistent; a full disk l
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import subprocess
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from core.engine import SlotSnapshot
+from scheduler import disk_tier
 from scheduler.disk_tier import BLOCK, SUFFIX, DiskTier, chain_next, chain_start
 from scheduler_helpers import cache_path_engine, cold_logprobs, ids, make, request, run_all, token_logprobs
 
@@ -194,6 +196,31 @@ def test_lookups_serve_any_prefix_and_the_tail(tmp_path):
     tier.flush(10)
     assert asked == [3 * BLOCK] and tier.match("s", longer) == len(longer)
     assert_same(tier.fetch("s", longer, 0, len(longer)), snapshot(longer))
+
+
+def respell_dtype(path: Path, old: str, new: str) -> None:
+    """Rewrite a disk-tier file as if its writer had recorded dtype `new` where it recorded `old`."""
+    data = path.read_bytes()
+    body = data[:-disk_tier.DIGEST_BYTES]
+    magic, fmt, size = disk_tier._HEAD.unpack_from(body)
+    header = body[disk_tier._HEAD.size:disk_tier._HEAD.size + size].replace(f'"{old}"'.encode(), f'"{new}"'.encode())
+    body = disk_tier._HEAD.pack(magic, fmt, len(header)) + header + body[disk_tier._HEAD.size + size:]
+    path.write_bytes(body + hashlib.blake2b(body, digest_size=disk_tier.DIGEST_BYTES).digest())
+
+
+@pytest.mark.parametrize("spelling", ["<V2", "void16"])
+def test_a_file_whose_arrays_read_back_as_raw_bytes_is_foreign(tmp_path, spelling):
+    """Arrays recorded as raw bytes (how bfloat16 KV was once recorded: "<V2") or in a dtype this process does
+    not know never reach a slot: the file is dropped and the prefix recomputed."""
+    tier = DiskTier(tmp_path, 2**30, "m")
+    tokens = ids(40, BLOCK)
+    tier.store_missing("s", tokens, lambda start: snapshot(tokens, start))
+    tier.flush(10)
+    (path,) = tmp_path.rglob(f"*{SUFFIX}")
+    respell_dtype(path, "bfloat16", spelling)
+    assert tier.match("s", tokens) == len(tokens)  # the file is there
+    assert tier.fetch("s", tokens, 0, len(tokens)) is None
+    assert tier.match("s", tokens) == 0  # and gone once read
 
 
 def test_the_byte_budget_evicts_the_least_recently_used(tmp_path):
