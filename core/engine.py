@@ -664,15 +664,15 @@ class Engine:
         size = self._covering_bucket(n)
         at = min(snap.start, self.max_len - size)
         lo = snap.start - at
-        values = {}
+        zeros = {key: {name: np.zeros((size, *a.shape[2:]), a.dtype) for name, a in entry.items()}
+                 for key, entry in self.cache.items()}
+        packed = _pack_positions(zeros, np)
+        views = _unpack_positions(packed, self.cache)  # each array's columns of `packed`, written in place
         for key, entry in snap.layers.items():
-            values[key] = {}
             for name, part in entry.items():
-                padded = np.zeros((size, *part.shape[1:]), part.dtype)
-                padded[lo:lo + n] = part
-                values[key][name] = padded
+                views[key][name][lo:lo + n] = part
         bounds = np.array([slot, at, lo, lo + n], np.int32)
-        self.cache = self.programs["write", size](self.cache, _pack_positions(values, np), bounds)
+        self.cache = self.programs["write", size](self.cache, packed, bounds)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make slot dst hold positions 0..n-1 of slot src, on the device (src must hold at least n positions)."""
