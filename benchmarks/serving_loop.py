@@ -82,8 +82,7 @@ def profile_split(profile: cProfile.Profile, iterations: int, top: int) -> dict[
     own = []
     for (filename, _, name), (_, _, tottime, cumtime, _) in stats.stats.items():
         where = f"{Path(filename).parent.name}/{Path(filename).name}:{name}"
-        if name in PARTS and ("slotserve" in filename or "/work/" in filename or "scheduler" in filename
-                              or "core" in filename or "jax" in filename):
+        if name in PARTS and (filename.startswith(str(ROOT)) or "/jax/" in filename):
             parts[where] = parts.get(where, 0.0) + cumtime
         own.append((tottime, where))
     own.sort(reverse=True)
