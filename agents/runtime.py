@@ -62,6 +62,10 @@ class RuntimeOptions:
     # A decode step carries one short prompt chunk (a chat turn's new tokens) of another slot in the same pass
     # (EngineConfig.chunk_in_decode; W8A8 + int8 KV only, exact as the batched verify is).
     chunk_in_decode: bool = True
+    # Sample inside the decode program and queue the next decode step before the previous one's tokens are
+    # read (EngineConfig.fused_sampling + SchedulerConfig.overlap_steps); None: chosen per device
+    # (core.device.choose_overlap: on for GPU / TPU, off on CPU).
+    overlap_steps: bool | None = None
     host_tier_bytes: int = SchedulerConfig.host_tier_bytes
     # The disk tier's directory: None for the default (`disk_tier_dir`), "off" for none.
     disk_tier_dir: str | None = None
@@ -227,7 +231,7 @@ def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
     """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
     from core.compile_cache import enable_compile_cache
-    from core.device import choose_kv_dtype, default_cache_dir
+    from core.device import choose_kv_dtype, choose_overlap, default_cache_dir
     from core.engine import Engine, EngineConfig
     from core.program_store import ProgramStore
     from core.runtime import load_model
@@ -246,11 +250,12 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
     if progress and model.weights_from_cache:
         progress("load the model", detail=f"{options.model}, prepared weights from {weights_cache}")
     kv_dtype, kv_reason = choose_kv_dtype(options.kv_dtype, model.precision)
+    overlap, overlap_reason = choose_overlap(options.overlap_steps)
     engine = Engine(model.cfg, model.params,
                     EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
                                  chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
                                  rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
-                                 chunk_in_decode=options.chunk_in_decode,
+                                 chunk_in_decode=options.chunk_in_decode, fused_sampling=overlap,
                                  adapter_slots=options.adapter_slots, adapter_rank=options.adapter_rank),
                     model.dtype, program_store)
     engine.weights_identity = model.weights_identity
@@ -259,7 +264,8 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
             f"{engine.num_slots} slots x {engine.max_len} positions ({engine.spec.dtype}: {kv_reason}), "
             f"{engine.bytes_per_slot / 2**20:.1f} MiB per slot, "
             f"{engine.bytes_per_slot * engine.num_slots / 2**20:.1f} MiB in all; compute {model.dtype} "
-            f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason})"))
+            f"({model.dtype_reason}); precision {model.precision} ({model.precision_reason}); "
+            f"overlapped decode steps {'on' if overlap else 'off'} ({overlap_reason})"))
     def compiling(name: str, done: int, total: int) -> None:
         detail = f"{total} programs; the tokenizer loaded meanwhile" if done == total else name
         progress("compile the step programs", done, total, detail)

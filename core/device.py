@@ -132,3 +132,20 @@ def choose_kv_dtype(override: str | None, precision: str) -> tuple[str | None, s
     if platform == "cpu" and precision == "w8a8":
         return "int8", "CPU with W8A8: int8 KV is ~0.87x the decode step, within the quality gates"
     return None, "the compute dtype"
+
+
+def choose_overlap(override: bool | None = None) -> tuple[bool, str]:
+    """Whether decode steps sample inside the decode program with the next step queued before the previous
+    one's tokens are read (EngineConfig.fused_sampling + SchedulerConfig.overlap_steps), and why.
+
+    On an accelerator the host's work between steps (update, delivery, dispatch) otherwise leaves the device
+    idle: 8 streams ran at 0.59x the engine's step rate on a TPU v5e (benchmarks/serving_loop.py). On CPU the
+    device is the host's own cores, and the fused programs add two per attention bucket to every start."""
+    import jax
+
+    if override is not None:
+        return override, "override"
+    platform = jax.devices()[0].platform
+    if platform == "cpu":
+        return False, "CPU: the host's cores are the device, so there is little idle time to overlap"
+    return True, f"{platform}: host work between steps overlaps the device"

@@ -39,6 +39,8 @@ OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "dec
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
 NO_ADAPTER = -1  # a KV slot whose rows get no LoRA terms
+FOLLOWING = -1  # a decode input token meaning "the token the previous step sampled for this slot"
+PACKED_WIDTH = 2 + 2 * MAX_LOGPROBS  # a sampler program's packed result per row (`_packed_sample`)
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,25 @@ class SampleResult:
 
     @classmethod
     def unpack(cls, packed: jax.Array) -> SampleResult:
-        """From a sampler program's one output [R, 2 + 2 * MAX_LOGPROBS] int32 (`_packed_sample`): one host copy."""
+        """From a sampler program's one output [R, PACKED_WIDTH] int32 (`_packed_sample`): one host copy."""
         host = np.asarray(packed)
         top = 2 + MAX_LOGPROBS
         return cls(host[:, 0], host[:, 1].view(np.float32), host[:, 2:top], host[:, top:].view(np.float32))
+
+
+class PendingSample:
+    """A dispatched decode + sample step: its packed results [S, PACKED_WIDTH] stay on the device (a later
+    step may read its tokens there) while their copy to the host runs; `result()` waits for them."""
+
+    def __init__(self, packed: jax.Array) -> None:
+        self.packed = packed
+        packed.copy_to_host_async()
+        self._result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            self._result = SampleResult.unpack(self.packed)
+        return self._result
 
 
 @dataclass
@@ -189,6 +206,7 @@ class Engine:
         # A KV cache that the first runs before ready pass on to each other (`first_run`); None after ready,
         # when a background first run makes its own for as long as it runs (a whole cache's memory).
         self._scratch_cache: Any = None
+        self._no_previous: jax.Array | None = None  # see _no_previous_step
         self._keep_scratch = False
         self._scratch_lock = threading.Lock()
 
@@ -270,7 +288,7 @@ class Engine:
             if self.fused_sampling:
                 for kind, needs_full in (("decode_sample", False), ("decode_sample_full", True)):
                     table[kind, attend] = jit(f"decode + sampler{' full' if needs_full else ''} (attends {attend})",
-                                              _decode_sample_step, (1, 3), attend=attend, needs_full=needs_full,
+                                              _decode_sample_step, (1, 4), attend=attend, needs_full=needs_full,
                                               **decode)
             table["prefill_rows", attend] = jit(f"batched prefill {rows} x {self.row_chunk} (attends {attend})",
                                                 _prefill_rows_step, attend=attend, **model)
@@ -313,7 +331,7 @@ class Engine:
         if kind == "decode_chunk":
             return params, cache, i32(4, rows), i32(1, self.row_chunk), i32(4)
         if kind in ("decode_sample", "decode_sample_full"):
-            return params, cache, i32(4, rows), sampler, i32(rows), i32(rows)
+            return params, cache, i32(4, rows), i32(rows, PACKED_WIDTH), sampler, i32(rows), i32(rows)
         if kind == "verify":
             return params, cache, i32(1, self.config.verify_tokens), i32(4)
         if kind == "verify_rows":
@@ -524,12 +542,31 @@ class Engine:
                       needs_full: bool = True, dry_limits: np.ndarray | None = None) -> SampleResult:
         """`decode` then `sample` with no mask, as one program (check `fused_ready` first): the same tokens,
         logprobs and sampler state bit for bit as the two calls."""
+        return self.dispatch_decode_sample(tokens, positions, active, steps, needs_full, dry_limits).result()
+
+    def dispatch_decode_sample(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
+                               steps: np.ndarray, needs_full: bool = True, dry_limits: np.ndarray | None = None,
+                               follows: PendingSample | None = None) -> PendingSample:
+        """`decode_sample` without waiting for its tokens: the step is queued on the device and its results
+        start their copy to the host. A slot whose tokens[s] is FOLLOWING reads the token that step
+        ``follows`` sampled for it, on the device: a decode step dispatched before the previous one's tokens
+        reach the host, so host work between steps overlaps the device."""
+        tokens = np.asarray(tokens, np.int32)
+        if follows is None and bool(np.any(tokens[np.asarray(active, bool)] == FOLLOWING)):
+            raise ValueError("a slot reads the previous step's token, but no previous step was given")
         packed = _decode_inputs(tokens, positions, active, self.slot_adapters)
         limits = self._dry_limits(dry_limits)
         program = self.programs[_fused_kind(needs_full), self.bucket_for(packed[1])]
-        sampled, self.cache, self.sampler = program(self.params, self.cache, packed, self.sampler,
+        previous = follows.packed if follows is not None else self._no_previous_step()
+        sampled, self.cache, self.sampler = program(self.params, self.cache, packed, previous, self.sampler,
                                                     np.asarray(steps, np.int32), limits)
-        return SampleResult.unpack(sampled)
+        return PendingSample(sampled)
+
+    def _no_previous_step(self) -> jax.Array:
+        """A device-resident stand-in for a previous step's packed samples (read by no slot)."""
+        if self._no_previous is None:
+            self._no_previous = jnp.zeros((self.num_slots, PACKED_WIDTH), jnp.int32)
+        return self._no_previous
 
     def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> list[int]:
         """One greedy speculative step for one slot holding positions 0..start-1: tokens = [its last generated
@@ -728,8 +765,10 @@ def _fused_kind(needs_full: bool) -> str:
     return "decode_sample_full" if needs_full else "decode_sample"
 
 
-def _decode_sample_step(params, cache, packed, sampler: SamplerState, steps, limits, *, cfg, view_width: int,
-                        attend: int, needs_full: bool, slot_batched_lora: int | None):
+def _decode_sample_step(params, cache, packed, previous, sampler: SamplerState, steps, limits, *, cfg,
+                        view_width: int, attend: int, needs_full: bool, slot_batched_lora: int | None):
+    # A slot marked FOLLOWING takes the token the previous step sampled for it (previous [S, PACKED_WIDTH]).
+    packed = packed.at[0].set(jnp.where(packed[0] == FOLLOWING, previous[:, 0], packed[0]))
     logits, cache = _decode_step(params, cache, packed, cfg=cfg, view_width=view_width, attend=attend,
                                  slot_batched_lora=slot_batched_lora)
     # The barrier keeps the logits computed as the decode program computes them (nothing of the sampler fused

@@ -4,7 +4,8 @@ Order within an iteration: cache operations (each planned against the slots as t
 sampling state for newly admitted sequences, the batched prefill, single-slot prefill chunks, then one decode
 or verify step. Grammar masks for constrained rows are filled on the host while the device computes the
 step they are for; a decode step with no constrained row samples inside the decode program where the engine
-has one (`Engine.decode_sample`).
+has one (`Engine.dispatch_decode_sample`), and its tokens are read by `finish_decode` once the scheduler has
+had the chance to queue the next step behind it (`dispatch_follow_on`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import numpy as np
 
-from core.engine import Engine, SampleResult
+from core.engine import FOLLOWING, Engine, SampleResult
 from core.sampling import batch_needs_full
 from scheduler.disk_tier import DiskTier
 from scheduler.grammar import fill_masks
@@ -116,16 +117,46 @@ def _record_time(engine: Engine, out: StepOutcome, kind: str, begin: float, prog
         out.seconds[kind] = time.perf_counter() - begin
 
 
-def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
-    begin, ran = time.perf_counter(), engine.programs.programs_run()
+def dispatch_follow_on(engine: Engine, plan: StepPlan, previous: StepOutcome) -> StepOutcome:
+    """Queue ``plan``'s decode step (`Planner.follow_on`: every row's input is the token ``previous`` samples
+    for it, read on the device) before ``previous``'s tokens are read; `finish_decode` reads its own."""
+    out = StepOutcome()
+    tokens, positions, active, steps = _decode_rows(engine, plan)
+    seqs = [row.seq for row in plan.decode]
+    out.pending = engine.dispatch_decode_sample(tokens, positions, active, steps,
+                                                batch_needs_full(seq.request.sampling for seq in seqs),
+                                                _dry_limits(engine, seqs), follows=previous.pending)
+    return out
+
+
+def finish_decode(engine: Engine, out: StepOutcome, follow_on: StepOutcome | None = None) -> None:
+    """Wait for a dispatched decode step's tokens (`StepOutcome.pending`) and record its time; a follow-on
+    step already queued behind it counts its time from here (the device starts it as this one ends)."""
+    if out.pending is not None:
+        out.decoded = out.pending.result()
+        if out.began is not None:
+            _record_time(engine, out, "decode", *out.began)
+    if follow_on is not None:
+        follow_on.began = (time.perf_counter(), engine.programs.programs_run())
+
+
+def _decode_rows(engine: Engine, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A decode step's inputs, each [S]: tokens, positions, which slots are active, and how many tokens each
+    has generated (an input of FOLLOWING is the token the previous step samples, one more than generated)."""
     s = engine.num_slots
     tokens, positions, steps = (np.zeros(s, np.int32) for _ in range(3))
     active = np.zeros(s, bool)
     for row in plan.decode:
         slot = row.seq.slot
         tokens[slot], positions[slot] = row.inputs[0], row.start
-        steps[slot] = len(row.seq.generated)
+        steps[slot] = len(row.seq.generated) + (row.inputs[0] == FOLLOWING)
         active[slot] = True
+    return tokens, positions, active, steps
+
+
+def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
+    begin, ran = time.perf_counter(), engine.programs.programs_run()
+    tokens, positions, active, steps = _decode_rows(engine, plan)
     seqs = [row.seq for row in plan.decode]
     needs_full = batch_needs_full(seq.request.sampling for seq in seqs)
     carried = plan.carried
@@ -136,10 +167,13 @@ def _decode(engine: Engine, plan: StepPlan, out: StepOutcome) -> None:
         out.decoded = _sample_rows(engine, logits, seqs, steps, out)
         return
     if all(seq.request.constraint is None for seq in seqs) and engine.fused_ready(positions, needs_full):
-        out.decoded = engine.decode_sample(tokens, positions, active, steps, needs_full, _dry_limits(engine, seqs))
-    else:
-        logits = engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
-        out.decoded = _sample_rows(engine, logits, seqs, steps, out)
+        # read by finish_decode, after the scheduler may have queued the next step behind it
+        out.pending = engine.dispatch_decode_sample(tokens, positions, active, steps, needs_full,
+                                                    _dry_limits(engine, seqs))
+        out.began = (begin, ran)
+        return
+    logits = engine.decode(tokens, positions, active)  # dispatched; the device computes meanwhile
+    out.decoded = _sample_rows(engine, logits, seqs, steps, out)
     _record_time(engine, out, "decode", begin, ran)
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from core.engine import SampleResult, SlotSnapshot
+from core.engine import PendingSample, SampleResult, SlotSnapshot
 
 if TYPE_CHECKING:
     from scheduler.sequence import Sequence
@@ -100,6 +100,10 @@ class StepOutcome:
 
     first: dict[int, tuple[SampleResult, int]] = field(default_factory=dict)  # by sequence id
     decoded: SampleResult | None = None
+    # A decode step dispatched whose tokens are not read yet (`executor.finish_decode` reads them into
+    # `decoded`), and when its time started: (perf_counter, programs run then).
+    pending: PendingSample | None = None
+    began: tuple[float, int] | None = None
     verified: dict[int, list[int]] = field(default_factory=dict)  # by sequence id
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of the decode / verify_rows step
     mask_fills: list[tuple[float, int]] = field(default_factory=list)  # (seconds, constrained rows) per batched fill

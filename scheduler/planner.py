@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from core.engine import FOLLOWING
+from core.sampling import batch_needs_full
 from scheduler.plan import PrefillChunk, StepPlan, StepRow
 from scheduler.sequence import SeqState, Sequence
 from scheduler.speculation import speculation_allowed
@@ -173,6 +175,29 @@ class Planner:
             plan.verify_rows = self._speculate_rows(running)
         if plan.verify is None and not plan.verify_rows:
             plan.decode = [StepRow(seq, [seq.generated[-1]], self.kv.held(seq)) for seq in running]
+
+    def follow_on(self, plan: StepPlan, arrivals: bool) -> StepPlan | None:
+        """The next iteration's plan, built before ``plan``'s tokens are read, when it can only be a decode
+        step of the same streams: nothing to prefill, nothing that could be admitted (``arrivals``: requests
+        not yet taken from the inbox), no stream that may speculate, none constrained or with DRY (their next
+        step depends on host state after this token), and the fused program loaded. Each row's input is
+        FOLLOWING (the token ``plan`` samples for it, read on the device). A stream that this token ends costs
+        one wasted row; one its max_tokens or slot length is sure to end is left out. None otherwise."""
+        if not plan.decode or plan.carried is not None or plan.chunks or plan.rows or self.prefilling:
+            return None
+        if (arrivals or self.admission.waiting) and self.kv.has_free_slot():
+            return None
+        seqs = [row.seq for row in plan.decode]
+        if any(seq.request.constraint is not None or seq.dry is not None for seq in seqs):
+            return None
+        if all(self._may_speculate(seq) for seq in seqs) and (len(seqs) == 1 or self.engine.rows_verify_exact):
+            return None  # _plan_decode weighs a verify step for them
+        rows = [StepRow(row.seq, [FOLLOWING], row.start + 1) for row in plan.decode
+                if len(row.seq.generated) + 1 < row.seq.max_tokens and row.start + 1 < self.engine.max_len]
+        needs_full = batch_needs_full(row.seq.request.sampling for row in rows)
+        if not rows or not self.engine.fused_ready(np.array([row.start for row in rows]), needs_full):
+            return None
+        return StepPlan(decode=rows)
 
     def _may_speculate(self, seq: Sequence) -> bool:
         request = seq.request

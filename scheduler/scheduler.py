@@ -38,7 +38,7 @@ from scheduler.adapters import AdapterSlots
 from scheduler.admission import Admission
 from scheduler.budget_close import BudgetClose
 from scheduler.disk_tier import DiskTier
-from scheduler.executor import execute, persist_slot
+from scheduler.executor import dispatch_follow_on, execute, finish_decode, persist_slot
 from scheduler.host_tier import HostTier
 from scheduler.kv_manager import CacheConfig, KVCacheManager
 from scheduler.output import accept, finish_event
@@ -77,6 +77,10 @@ class SchedulerConfig:
     # batched verify step (engine.verify_rows, where the engine has that program and its products are exact)
     # when their drafts promise more tokens per second than a decode step.
     speculative: bool = True
+    # Where the engine samples inside its decode program (EngineConfig.fused_sampling), a decode step of the
+    # same streams is queued before the previous step's tokens are read, its inputs fed back on the device:
+    # the host's work between steps (update, delivery, the next dispatch) overlaps the device. Same tokens.
+    overlap_steps: bool = True
     # The disk tier under the host tier (scheduler/disk_tier.py): a directory, or None for none. Each finished
     # request's KV is queued for it, and a stop writes what the slots and the host tier hold, waiting at most
     # disk_tier_flush_s for the files.
@@ -102,6 +106,7 @@ class SchedulerStats:
     carried_chunks: int = 0  # prompt chunks a decode step took along (engine.decode_with_chunk)
     speculative_steps: int = 0  # verify steps (each also counted in decode_steps)
     batched_speculative_steps: int = 0  # of those, batched over several streams (engine.verify_rows)
+    overlapped_steps: int = 0  # decode steps queued before the previous step's tokens were read
     draft_tokens: int = 0  # drafted tokens sent to verify steps
     accepted_draft_tokens: int = 0  # of those, accepted (tokens gained over plain decode steps)
     budget_closed: int = 0  # constrained outputs closed along their grammar to fit max_tokens (budget_close)
@@ -144,6 +149,8 @@ class Scheduler:
         self.snapshots = SnapshotPublisher()
         self._breaker_tables: BreakerTables | None = None  # DRY sequence breakers as token ids, on first use
         self._breaker_lock = threading.Lock()
+        # A decode step queued before the previous step's tokens were read (`step`): its plan and outcome.
+        self._follow_on: tuple[StepPlan, StepOutcome] | None = None
 
     @property
     def slots(self) -> list[Slot]:
@@ -285,13 +292,23 @@ class Scheduler:
         raise RuntimeError("scheduler did not become idle")
 
     def step(self) -> None:
-        """One iteration: plan, execute on the engine, update, deliver events."""
+        """One iteration: plan, execute on the engine, update, deliver events. Where the next iteration can
+        only be a decode step of the same streams (`Planner.follow_on`), that step is queued on the device
+        before this one's tokens are read, and the next iteration starts from it instead of a plan."""
         self._drain_inbox()
         self._reap_cancelled()
-        plan = self.planner.plan()
-        self.stats.requests_admitted += len(plan.admitted)
-        self.stats.prompt_tokens += sum(len(seq.prompt) for seq in plan.admitted)
-        outcome = execute(self.engine, self.kv.host, plan)
+        plan, outcome = self._take_follow_on()
+        if plan is None:
+            plan = self.planner.plan()
+            self.stats.requests_admitted += len(plan.admitted)
+            self.stats.prompt_tokens += sum(len(seq.prompt) for seq in plan.admitted)
+            outcome = execute(self.engine, self.kv.host, plan)
+        if self.config.overlap_steps and outcome.pending is not None:
+            follow = self.planner.follow_on(plan, arrivals=not self._inbox.empty())
+            if follow is not None:
+                self._follow_on = (follow, dispatch_follow_on(self.engine, follow, outcome))
+                self.stats.overlapped_steps += 1
+        finish_decode(self.engine, outcome, self._follow_on[1] if self._follow_on is not None else None)
         self._update(plan, outcome)
         self.stats.iterations += 1
         self.iteration += 1
@@ -299,6 +316,19 @@ class Scheduler:
         for handle, events in outbox.items():
             handle._deliver(events)
         self.snapshots.after_step(self, plan)
+
+    def _take_follow_on(self) -> tuple[StepPlan | None, StepOutcome | None]:
+        """The queued follow-on step, its inputs now the tokens the previous iteration delivered; streams
+        those tokens ended drop out of it ((None, None): none queued, or none of its streams is left)."""
+        if self._follow_on is None:
+            return None, None
+        (plan, outcome), self._follow_on = self._follow_on, None
+        plan.decode = [row for row in plan.decode if row.seq.state is SeqState.DECODING]
+        if not plan.decode:
+            return None, None
+        for row in plan.decode:
+            row.inputs = [row.seq.generated[-1]]
+        return plan, outcome
 
     def _emit(self, seq: Sequence, event: Event) -> None:
         self._outbox.setdefault(seq.handle, []).append(event)

@@ -57,6 +57,7 @@ class SchedulerSection(_Section):
     speculative: bool = RUNTIME.speculative  # prompt-lookup speculation for plain-greedy streams (same tokens)
     batched_speculation: bool = RUNTIME.batched_speculation  # greedy streams verify drafts in one pass
     chunk_in_decode: bool = RUNTIME.chunk_in_decode  # a decode step carries one short prompt chunk
+    overlap_steps: bool | None = RUNTIME.overlap_steps  # next decode step queued before tokens are read
     host_tier_bytes: int = Field(RUNTIME.host_tier_bytes, ge=0)
     disk_tier_dir: str | None = RUNTIME.disk_tier_dir  # None: ~/.cache/slotserve/kv; "off": no disk tier
     disk_tier_bytes: int = Field(RUNTIME.disk_tier_bytes, ge=0)
@@ -162,6 +163,7 @@ class ServerConfig(_Section):
             background_compile=m.background_compile, prefill_budget=s.prefill_budget,
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
             batched_speculation=s.batched_speculation, chunk_in_decode=s.chunk_in_decode,
+            overlap_steps=s.overlap_steps,
             host_tier_bytes=s.host_tier_bytes, disk_tier_dir=s.disk_tier_dir, disk_tier_bytes=s.disk_tier_bytes,
             disk_tier_flush_s=s.disk_tier_flush_s,
             adapter_slots=self.adapters.slot_count(adapters_in_files), adapter_rank=self.adapters.max_rank,

@@ -78,6 +78,7 @@ class _SchedulerCollector(Collector):
             ("carried_chunks", "prompt chunks a decode step took along in the same pass"),
             ("speculative_steps", "speculative verify steps (a lone greedy stream, or batched)"),
             ("batched_speculative_steps", "speculative verify steps batched over several greedy streams"),
+            ("overlapped_steps", "decode steps queued before the previous step's tokens were read"),
             ("draft_tokens", "prompt-lookup draft tokens verified"),
             ("accepted_draft_tokens", "draft tokens accepted (tokens gained over plain decode steps)"),
             ("budget_closed", "constrained outputs closed along their grammar to fit max_tokens"),

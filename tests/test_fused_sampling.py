@@ -14,7 +14,8 @@ import pytest
 from core.engine import Engine, EngineConfig
 from core.sampling import SamplingParams
 from core.weights import random_params
-from scheduler_helpers import VOCAB, ids, make, request, run_all
+from scheduler.request import FinishReason
+from scheduler_helpers import VOCAB, ids, make, request, token_logprobs
 from tiny_models import model_config
 
 SLOTS = 3
@@ -82,18 +83,32 @@ def real_vocab_pair(compile_cache):
     return engine_pair(cfg, params, num_slots=4, max_len=96, chunk_sizes=(4, 16), attention_buckets=(32,))
 
 
+def mixed_requests():
+    """More requests than slots (admissions mid-flight), streams of different lengths (a queued step meets
+    ended streams), both sampler variants, a greedy stream and one asking for logprobs."""
+    samplings = [replace(PLAIN if i % 2 else FULL, seed=11 + i) for i in range(6)]
+    samplings[4] = SamplingParams(temperature=0)
+    samplings[3] = replace(samplings[3], logprobs=3)
+    return [request(ids(i, 9 + 4 * i), max_tokens=7 + 3 * (i % 3), sampling=samplings[i], want_logprobs=i == 3)
+            for i in range(6)]
+
+
+def outputs(sched, reqs):
+    """Each request's (token id, logprob) pairs and finish reason."""
+    handles = [sched.submit(r) for r in reqs]
+    sched.run_until_idle()
+    return [(pairs, end.reason) for pairs, end in map(token_logprobs, handles)]
+
+
 def test_the_scheduler_samples_inside_the_decode_program_with_the_same_outputs(real_vocab_pair, tokenizer,
                                                                                monkeypatch):
+    """Outputs equal the two-program engine's with and without the next step queued before the last one's
+    tokens are read (`SchedulerConfig.overlap_steps`), and the queued steps happen."""
     plain, fused = real_vocab_pair
     for engine in real_vocab_pair:
         engine.warmup()
     assert fused.fused_ready(np.zeros(4, np.int32), True) and fused.fused_ready(np.full(4, 50), False)
-
-    def reqs():
-        return [request(ids(i, 9 + 4 * i), max_tokens=10, sampling=replace(PLAIN if i % 2 else FULL, seed=11 + i))
-                for i in range(6)]  # more requests than slots: admissions mid-flight
-
-    expected = [result[0] for result in run_all(make(plain, tokenizer), reqs())]
+    expected = outputs(make(plain, tokenizer), mixed_requests())
     calls = {"decode": 0}
     original = fused.decode
 
@@ -102,6 +117,35 @@ def test_the_scheduler_samples_inside_the_decode_program_with_the_same_outputs(r
         return original(*args, **kw)
 
     monkeypatch.setattr(fused, "decode", counted)
-    got = [result[0] for result in run_all(make(fused, tokenizer), reqs())]
-    assert got == expected
+    serial = make(fused, tokenizer, overlap_steps=False)
+    assert outputs(serial, mixed_requests()) == expected and serial.stats.overlapped_steps == 0
+    overlapped = make(fused, tokenizer)
+    assert outputs(overlapped, mixed_requests()) == expected
     assert calls["decode"] == 0  # every decode step sampled inside the fused program
+    assert overlapped.stats.overlapped_steps > 0
+    assert overlapped.stats.decode_steps < serial.stats.decode_steps + overlapped.stats.overlapped_steps
+
+
+def test_a_stream_cancelled_under_a_queued_step_ends_and_the_others_are_unchanged(real_vocab_pair, tokenizer):
+    plain, fused = real_vocab_pair
+    reqs = [request(ids(20 + i, 12), max_tokens=12, sampling=replace(PLAIN, seed=40 + i)) for i in range(3)]
+    expected = outputs(make(plain, tokenizer), reqs)
+    sched = make(fused, tokenizer)
+    handles = [sched.submit(r) for r in reqs]
+    while sched._follow_on is None:  # a step is queued behind the one whose tokens were just read
+        sched.step()
+    handles[1].cancel()
+    sched.run_until_idle()
+    got = [token_logprobs(handle) for handle in handles]
+    assert got[1][1].reason is FinishReason.CANCELLED and len(got[1][0]) < 12
+    assert [(pairs, end.reason) for pairs, end in (got[0], got[2])] == [expected[0], expected[2]]
+    assert sched.running == 0 and all(slot.sequence is None for slot in sched.slots)
+
+
+def test_a_queued_step_needs_the_step_it_follows(real_vocab_pair):
+    from core.engine import FOLLOWING
+
+    fused = real_vocab_pair[1]
+    tokens = np.array([FOLLOWING, 5, 5, 5], np.int32)
+    with pytest.raises(ValueError, match="previous step"):
+        fused.dispatch_decode_sample(tokens, np.zeros(4, np.int32), np.ones(4, bool), np.zeros(4, np.int32))

@@ -689,6 +689,7 @@ def test_metrics_expose_the_names(server, client, runtime):
                  "slotserve_prefix_cache_hit_ratio", "slotserve_cached_prompt_tokens_total", "slotserve_ready 1.0",
                  "slotserve_scheduler_speculative_steps_total", "slotserve_scheduler_accepted_draft_tokens_total",
                  "slotserve_scheduler_batched_prefills_total", "slotserve_scheduler_batched_speculative_steps_total",
+                 "slotserve_scheduler_overlapped_steps_total",
                  "slotserve_scheduler_in_flight_waits_total", "slotserve_scheduler_device_copies_total",
                  "slotserve_scheduler_slot_reuses_total", "slotserve_host_tier_bytes"):
         assert name in text, name
