@@ -272,7 +272,10 @@ class EngineTimers:
 
 
 def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[str, Any]:
-    """All S slots active: decode + sample per step, tokens fed back, as in benchmarks/engine.py."""
+    """All S slots active: decode + sample per step, tokens fed back through the host, as in
+    benchmarks/engine.py (one fused program where the engine has it, as the scheduler then runs). With the
+    fused program also `queued_tokens_per_s`: each step queued before the previous one's tokens are read
+    (fed back on the device), the rate the device sustains when host work overlaps it."""
     import numpy as np
 
     s = engine.num_slots
@@ -280,22 +283,51 @@ def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[st
     start = max(0, min(context, engine.max_len - 1 - warm - steps))
     tokens = np.zeros(s, np.int32)
     generated = np.zeros(s, np.int32)
+    fused = engine.fused_ready(np.full(s, start + warm + steps), False)
     times: list[float] = []
     for i in range(warm + steps):
         positions = np.full(s, start + i, np.int32)
         begin = time.perf_counter()
-        logits = engine.decode(tokens, positions, active)
-        result = engine.sample(logits, active, generated, needs_full=False)  # host copy: the sync point
+        if fused:
+            result = engine.decode_sample(tokens, positions, active, generated, needs_full=False)
+        else:
+            logits = engine.decode(tokens, positions, active)
+            result = engine.sample(logits, active, generated, needs_full=False)  # host copy: the sync point
         elapsed = time.perf_counter() - begin
         tokens = np.where(result.tokens >= 0, result.tokens, 0).astype(np.int32)
         generated += 1
         if i >= warm:
             times.append(elapsed)
     p50 = statistics.median(times)
-    return {"slots": s, "steps": steps, "warm_steps": warm, "first_position": start,
-            "ms_p50": round(p50 * 1e3, 2), "ms_mean": round(statistics.fmean(times) * 1e3, 2),
-            "ms_min": round(min(times) * 1e3, 2), "ms_max": round(max(times) * 1e3, 2),
-            "tokens_per_s": round(s / p50, 3)}
+    report = {"slots": s, "steps": steps, "warm_steps": warm, "first_position": start, "fused_sampling": fused,
+              "ms_p50": round(p50 * 1e3, 2), "ms_mean": round(statistics.fmean(times) * 1e3, 2),
+              "ms_min": round(min(times) * 1e3, 2), "ms_max": round(max(times) * 1e3, 2),
+              "tokens_per_s": round(s / p50, 3)}
+    if fused:
+        report["queued_tokens_per_s"] = round(s / queued_step_seconds(engine, start, steps, tokens), 3)
+    return report
+
+
+def queued_step_seconds(engine: Any, start: int, steps: int, tokens: Any) -> float:
+    """Mean seconds per fused decode + sample step when each is queued before the previous one's tokens are
+    read (`Engine.dispatch_decode_sample(follows=...)`), all slots active."""
+    import numpy as np
+
+    from core.engine import FOLLOWING
+
+    s = engine.num_slots
+    active, following = np.ones(s, bool), np.full(s, FOLLOWING, np.int32)
+    pending = engine.dispatch_decode_sample(tokens, np.full(s, start, np.int32), active, np.zeros(s, np.int32),
+                                            needs_full=False)
+    pending.result()
+    begin = time.perf_counter()
+    for i in range(1, steps + 1):
+        queued = engine.dispatch_decode_sample(following, np.full(s, start + i, np.int32), active,
+                                               np.full(s, i, np.int32), needs_full=False, follows=pending)
+        pending.result()
+        pending = queued
+    pending.result()
+    return (time.perf_counter() - begin) / steps
 
 
 def thread_cpu_seconds() -> dict[str, float]:
@@ -373,6 +405,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override scheduler.speculative (default: the config's, on for precision float)")
     p.add_argument("--batched-speculation", choices=("on", "off"), default=None,
                    help="override scheduler.batched_speculation (default: the config's, on)")
+    p.add_argument("--overlap-steps", choices=("on", "off"), default=None,
+                   help="override scheduler.overlap_steps (default: the config's, on for GPU / TPU)")
     p.add_argument("--uvicorn-http", default="auto", choices=("auto", "h11", "httptools"),
                    help="uvicorn's HTTP implementation (auto: httptools when installed, as `slotserve serve`)")
     p.add_argument("--uvicorn-loop", default="auto", choices=("auto", "asyncio", "uvloop"),
@@ -463,6 +497,8 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["scheduler.speculative"] = args.speculative == "on"
     if args.batched_speculation:
         overrides["scheduler.batched_speculation"] = args.batched_speculation == "on"
+    if args.overlap_steps:
+        overrides["scheduler.overlap_steps"] = args.overlap_steps == "on"
     return overrides
 
 
@@ -498,6 +534,7 @@ def start_ours(args: argparse.Namespace, record: dict[str, Any]) -> tuple[Any, L
                          "precision_reason": runtime.precision_reason,
                          "kv_dtype_reason": runtime.kv_dtype_reason,
                          "speculative": runtime.scheduler.config.speculative,
+                         "overlap_steps": runtime.engine.fused_sampling and runtime.scheduler.config.overlap_steps,
                          "build_s": round(time.perf_counter() - begin, 1)}
     app = create_app(config, runtime=runtime)
     uds = str(Path(tempfile.mkdtemp()) / "slotserve.sock") if args.uds else None

@@ -18,6 +18,7 @@ import cProfile
 import pstats
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-sizes", default="32,128", help="prefill chunk sizes")
     p.add_argument("--baseline-steps", type=int, default=50)
     p.add_argument("--top", type=int, default=25, help="functions listed by their own time")
+    p.add_argument("--overlap", choices=("auto", "on"), default="auto",
+                   help="queued decode steps (scheduler.overlap_steps): as chosen for the device (on for GPU / TPU), "
+                        "or on; where on, the timed run is repeated with them off")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -50,7 +54,8 @@ def build(args: argparse.Namespace) -> Any:
 
     options = RuntimeOptions(model=args.model, num_slots=8, max_len=args.max_len, speculative=False,
                              chunk_sizes=tuple(int(c) for c in args.chunk_sizes.split(",")),
-                             background_compile=False, disk_tier_dir="off")
+                             background_compile=False, disk_tier_dir="off",
+                             overlap_steps=True if args.overlap == "on" else None)
     return build_runtime(options)
 
 
@@ -67,12 +72,29 @@ def one_run(runtime: Any, args: argparse.Namespace, salt: int) -> dict[str, Any]
         request = GenerationRequest(tuple(prompt), SamplingParams(temperature=0.0), max_tokens=args.max_tokens,
                                     ignore_eos=True)
         handles.append(scheduler.submit(request))
-    iterations0 = scheduler.stats.iterations
+    iterations0, overlapped0 = scheduler.stats.iterations, scheduler.stats.overlapped_steps
     begin = time.perf_counter()
     scheduler.run_until_idle()
     wall = time.perf_counter() - begin
     return {"wall_s": round(wall, 4), "iterations": scheduler.stats.iterations - iterations0,
+            "overlapped_steps": scheduler.stats.overlapped_steps - overlapped0,
             "tokens": args.streams * args.max_tokens, "handles": len(handles)}
+
+
+def timed_run(runtime: Any, args: argparse.Namespace, baseline: dict[str, Any], salt: int) -> dict[str, Any]:
+    """One timed run against the engine baseline: ms per iteration, its excess over the engine's step, and
+    the rate as a share of the engine's."""
+    timed = one_run(runtime, args, salt)
+    per_iteration = timed["wall_s"] * 1e3 / timed["iterations"]
+    rate = timed["tokens"] / timed["wall_s"]
+    result = {**timed, "ms_per_iteration": round(per_iteration, 3),
+              "excess_over_baseline_step_ms": round(per_iteration - baseline["ms_p50"], 3),
+              "tokens_per_s": round(rate, 1), "ratio_over_engine": round(rate / baseline["tokens_per_s"], 3)}
+    if "queued_tokens_per_s" in baseline:
+        result["ratio_over_queued_engine"] = round(rate / baseline["queued_tokens_per_s"], 3)
+    log(f"engine {baseline['ms_p50']} ms/step; loop {per_iteration:.3f} ms/iteration "
+        f"({result['ratio_over_engine']}x the engine's rate)")
+    return result
 
 
 def profile_split(profile: cProfile.Profile, iterations: int, top: int) -> dict[str, Any]:
@@ -110,15 +132,14 @@ def main(argv: list[str] | None = None) -> int:
                               "runtime": runtime.info()}
     one_run(runtime, args, salt=0)  # every program's first run, not measured
     baseline = engine_baseline(runtime.engine, args.baseline_steps, 2, 64)
-    timed = one_run(runtime, args, salt=1)
-    per_iteration = timed["wall_s"] * 1e3 / timed["iterations"]
     report["engine_baseline"] = baseline
-    report["timed"] = {**timed, "ms_per_iteration": round(per_iteration, 3),
-                       "excess_over_baseline_step_ms": round(per_iteration - baseline["ms_p50"], 3),
-                       "tokens_per_s": round(timed["tokens"] / timed["wall_s"], 1),
-                       "ratio_over_engine": round(timed["tokens"] / timed["wall_s"] / baseline["tokens_per_s"], 3)}
-    log(f"engine {baseline['ms_p50']} ms/step; loop {per_iteration:.3f} ms/iteration "
-        f"({report['timed']['ratio_over_engine']}x the engine's rate)")
+    report["timed"] = timed_run(runtime, args, baseline, salt=1)
+    overlapping = runtime.engine.fused_sampling and runtime.scheduler.config.overlap_steps
+    report["overlap_steps"] = overlapping
+    if overlapping:  # the same run with every step's tokens read before the next is dispatched
+        runtime.scheduler.config = replace(runtime.scheduler.config, overlap_steps=False)
+        report["timed_without_overlap"] = timed_run(runtime, args, baseline, salt=3)
+        runtime.scheduler.config = replace(runtime.scheduler.config, overlap_steps=True)
     profile = cProfile.Profile()
     profile.enable()
     profiled = one_run(runtime, args, salt=2)
