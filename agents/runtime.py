@@ -231,7 +231,7 @@ def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
     """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
     from core.compile_cache import enable_compile_cache
-    from core.device import choose_kv_dtype, choose_overlap, default_cache_dir
+    from core.device import choose_kv_dtype, choose_overlap, choose_transfer_sizes, default_cache_dir
     from core.engine import Engine, EngineConfig
     from core.program_store import ProgramStore
     from core.runtime import load_model
@@ -256,6 +256,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
                                  chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
                                  rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
                                  chunk_in_decode=options.chunk_in_decode, fused_sampling=overlap,
+                                 transfer_sizes=choose_transfer_sizes(),
                                  adapter_slots=options.adapter_slots, adapter_rank=options.adapter_rank),
                     model.dtype, program_store)
     engine.weights_identity = model.weights_identity

@@ -149,3 +149,13 @@ def choose_overlap(override: bool | None = None) -> tuple[bool, str]:
     if platform == "cpu":
         return False, "CPU: the host's cores are the device, so there is little idle time to overlap"
     return True, f"{platform}: host work between steps overlaps the device"
+
+
+def choose_transfer_sizes() -> tuple[int, ...]:
+    """Sizes below the attention buckets in which slot ranges move to and from the host
+    (EngineConfig.transfer_sizes). On an accelerator a save copies its whole covering size off the device, so
+    a short chat's KV should not travel as 1,024 positions; on CPU the copy is a memcpy (none: two programs
+    fewer to compile at each start)."""
+    import jax
+
+    return () if jax.devices()[0].platform == "cpu" else (128, 512)

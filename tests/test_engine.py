@@ -30,8 +30,10 @@ def setup(request, compile_cache):
     params = random_params(cfg, std=0.1, norm_std=0.1, seed=3)
     # Decode programs attending over 16, 32, 64 and 96 positions: the decode steps of every test below cross
     # those bucket boundaries (and the window), and must equal one full forward all the same.
+    # Slot ranges of up to 8 positions move to and from the host in 8-position programs (transfer_sizes).
     engine = Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=96, chunk_sizes=CHUNKS,
-                                              attention_buckets=BUCKETS, verify_width=VERIFY), "float32")
+                                              attention_buckets=BUCKETS, verify_width=VERIFY, transfer_sizes=(8,)),
+                    "float32")
     engine.warmup()
     full = jax.jit(partial(sequence_logits, cfg=cfg))
 
@@ -208,10 +210,14 @@ def test_any_prefix_of_a_slot_that_moved_far_past_it_is_reusable(setup, n):
     np.testing.assert_allclose(copied, want[-1], atol=1e-4, rtol=0)
     engine.restore_slot(2, engine.save_slot(0, 0, n))
     assert np.array_equal(np.asarray(engine.prefill(2, ids[n:], n)), copied)
-    # A snapshot of only [n - 3, n) on top of a slot that holds [0, n - 3) of the same tokens does the same.
+    # A snapshot of only [n - 3, n) on top of a slot that holds [0, n - 3) of the same tokens does the same
+    # (it moves as 8 positions, not a bucket's 16).
     engine.copy_prefix(0, 2, n - 3)
+    small = [engine.programs[kind, 8] for kind in ("read", "write")]
+    calls = [program.calls for program in small]
     engine.restore_slot(2, engine.save_slot(0, n - 3, n))
     assert np.array_equal(np.asarray(engine.prefill(2, ids[n:], n)), copied)
+    assert [program.calls for program in small] == [c + 1 for c in calls]
 
 
 def test_full_hit_recomputes_the_last_token_of_a_long_prompt(setup):
