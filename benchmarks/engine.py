@@ -306,9 +306,33 @@ def time_fused(engine: Any, context: int, steps: int, warm: int) -> dict[str, An
             if i >= warm:
                 times[path].append(time.perf_counter() - begin)
     summary = {path: summarize(t, s) for path, t in times.items()}
+    queued = queued_step_seconds(engine, start, steps, tokens) * 1e3
     return {"context": context, "active_slots": s, "bit_identical": bool(same),
             **{f"{path}_ms_{k}": summary[path][f"ms_{k}"] for path in times for k in ("p50", "mean", "min")},
-            "fused_over_separate_p50": round(summary["fused"]["ms_p50"] / summary["separate"]["ms_p50"], 3)}
+            "fused_over_separate_p50": round(summary["fused"]["ms_p50"] / summary["separate"]["ms_p50"], 3),
+            "queued_ms_mean": round(queued, 3), "queued_tokens_per_s": round(s / queued * 1e3, 1)}
+
+
+def queued_step_seconds(engine: Any, start: int, steps: int, tokens: Any) -> float:
+    """Mean seconds per fused decode + sample step when each is queued before the previous one's tokens are
+    read (`Engine.dispatch_decode_sample(follows=...)`), all slots active."""
+    import numpy as np
+
+    from core.engine import FOLLOWING
+
+    s = engine.num_slots
+    active, following = np.ones(s, bool), np.full(s, FOLLOWING, np.int32)
+    pending = engine.dispatch_decode_sample(tokens, np.full(s, start, np.int32), active, np.zeros(s, np.int32),
+                                            needs_full=False)
+    pending.result()
+    begin = time.perf_counter()
+    for i in range(1, steps + 1):
+        queued = engine.dispatch_decode_sample(following, np.full(s, start + i, np.int32), active,
+                                               np.full(s, i, np.int32), needs_full=False, follows=pending)
+        pending.result()
+        pending = queued
+    pending.result()
+    return (time.perf_counter() - begin) / steps
 
 
 def time_breakdown(engines: list[Any], context: int, steps: int, warm: int) -> list[dict[str, Any]]:
@@ -504,6 +528,9 @@ def measure(args: argparse.Namespace, engines: list[Any], results: list[dict[str
             if "breakdown" in result:
                 result["roofline"]["decode_only_over_roofline"] = round(
                     result["breakdown"]["decode_only_ms_p50"] / result["roofline"]["roofline_ms"], 2)
+            if "fused_sampling" in result:  # steps queued back to back: the device's time, not the host's
+                result["roofline"]["queued_decode_sample_over_roofline"] = round(
+                    result["fused_sampling"]["queued_ms_mean"] / result["roofline"]["roofline_ms"], 2)
         result["memory_end"] = memory_snapshot()
     save()
 

@@ -201,12 +201,14 @@ class EngineTimers:
     engine decode+sample, other engine calls (prefill, slot copies) and the rest (scheduler host work,
     asyncio/uvicorn/SSE in the same process, GIL waits)."""
 
-    WRAPPED = ("decode", "sample", "verify", "verify_rows", "prefill", "prefill_chunk", "prefill_rows", "sample_slot",
-               "copy_prefix", "restore_slot", "save_slot")
+    WRAPPED = ("decode", "sample", "dispatch_decode_sample", "verify", "verify_rows", "prefill", "prefill_chunk",
+               "prefill_rows", "sample_slot", "copy_prefix", "restore_slot", "save_slot")
     # Prefill returns device logits before they are computed; the wrapper waits for them, so that a prefill's
     # time is not billed to the sampler call that reads them next.
     BLOCKING = ("prefill", "prefill_chunk", "prefill_rows")
-    STEPS = ("decode", "sample", "verify", "verify_rows")  # what a decode iteration runs
+    # What a decode iteration runs. A fused decode + sample (dispatch_decode_sample) returns before the device
+    # has computed it: its time here is the dispatch, and the wait for its tokens falls into the rest.
+    STEPS = ("decode", "sample", "dispatch_decode_sample", "verify", "verify_rows")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -240,7 +242,7 @@ class EngineTimers:
                 return
             self.seconds[name] += elapsed
             self.calls[name] += 1
-            if name == "decode" and len(a) >= 3:
+            if name in ("decode", "dispatch_decode_sample") and len(a) >= 3:
                 self.active_slot_steps += int(sum(bool(x) for x in a[2]))
 
     def unwrap(self) -> None:
@@ -248,14 +250,15 @@ class EngineTimers:
             self.engine.__dict__.pop(name, None)
 
     def snapshot(self, wall: float) -> dict[str, Any]:
-        plain = self.seconds["decode"] + self.seconds["sample"]
+        plain = self.seconds["decode"] + self.seconds["sample"] + self.seconds["dispatch_decode_sample"]
         verify = self.seconds["verify"] + self.seconds["verify_rows"]
         step = plain + verify
         other = sum(v for k, v in self.seconds.items() if k not in self.STEPS)
-        steps = self.calls["decode"]
+        steps = self.calls["decode"] + self.calls["dispatch_decode_sample"]
         verifies = self.calls["verify"] + self.calls["verify_rows"]
         return {
             "decode_steps": steps,
+            "fused_decode_steps": self.calls["dispatch_decode_sample"],  # timed as their dispatch only
             "mean_active_slots_per_step": round(self.active_slot_steps / steps, 2) if steps else None,
             "decode_plus_sample_s": round(plain, 3),
             "decode_plus_sample_ms_per_step": round(plain / steps * 1e3, 2) if steps else None,
@@ -304,30 +307,10 @@ def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[st
               "ms_min": round(min(times) * 1e3, 2), "ms_max": round(max(times) * 1e3, 2),
               "tokens_per_s": round(s / p50, 3)}
     if fused:
+        from benchmarks.engine import queued_step_seconds
+
         report["queued_tokens_per_s"] = round(s / queued_step_seconds(engine, start, steps, tokens), 3)
     return report
-
-
-def queued_step_seconds(engine: Any, start: int, steps: int, tokens: Any) -> float:
-    """Mean seconds per fused decode + sample step when each is queued before the previous one's tokens are
-    read (`Engine.dispatch_decode_sample(follows=...)`), all slots active."""
-    import numpy as np
-
-    from core.engine import FOLLOWING
-
-    s = engine.num_slots
-    active, following = np.ones(s, bool), np.full(s, FOLLOWING, np.int32)
-    pending = engine.dispatch_decode_sample(tokens, np.full(s, start, np.int32), active, np.zeros(s, np.int32),
-                                            needs_full=False)
-    pending.result()
-    begin = time.perf_counter()
-    for i in range(1, steps + 1):
-        queued = engine.dispatch_decode_sample(following, np.full(s, start + i, np.int32), active,
-                                               np.full(s, i, np.int32), needs_full=False, follows=pending)
-        pending.result()
-        pending = queued
-    pending.result()
-    return (time.perf_counter() - begin) / steps
 
 
 def thread_cpu_seconds() -> dict[str, float]:
@@ -458,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
-        "git_commit": git_commit(mark_dirty=True),
+        "git_commit": git_commit(mark_dirty=True, env="SLOTSERVE_GIT_COMMIT"),
         "versions": versions(("jax", "jaxlib", "fastapi", "uvicorn", "httpx", "starlette"), python=True),
         "backend": backend,
         "device_kind": jax.devices()[0].device_kind,
