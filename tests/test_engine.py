@@ -515,3 +515,22 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     batch = Engine(cfg, params, config, "float32")
     batch.warmup(first_runs=True)
     assert {key for key in batch.programs if batch.programs[key].calls} == first
+
+
+def test_a_bfloat16_slot_range_moves_to_the_host_and_back_bit_for_bit(compile_cache):
+    """Accelerators keep bfloat16 KV; its host copies run on the bytes (numpy copies extension dtypes element by
+    element), so the bits must survive both directions, through a bucket-sized and a small transfer program."""
+    cfg = model_config("gemma3")
+    engine = Engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=5),
+                    EngineConfig(num_slots=2, max_len=32, chunk_sizes=(16,), attention_buckets=(16,), verify_width=0,
+                                 kv_dtype="bfloat16", transfer_sizes=(8,)), "float32")
+    engine.prefill(0, np.random.default_rng(2).integers(3, cfg.vocab_size, size=12), 0)
+    whole, tail = engine.save_slot(0, 0, 12), engine.save_slot(0, 9, 12)
+    engine.restore_slot(1, whole)
+    for key, entry in engine.cache.items():
+        for name, array in entry.items():
+            held = np.asarray(array)
+            assert whole.layers[key][name].dtype == held.dtype == np.dtype("bfloat16")
+            assert np.array_equal(whole.layers[key][name].view(np.uint16), held[0, :12].view(np.uint16))
+            assert np.array_equal(tail.layers[key][name].view(np.uint16), held[0, 9:12].view(np.uint16))
+            assert np.array_equal(held[1, :12].view(np.uint16), held[0, :12].view(np.uint16))
