@@ -186,3 +186,15 @@ def test_generate_cli_takes_the_runtime_defaults_unless_given():
     assert (args.model, args.slots, args.max_len) == (None, None, None)  # RuntimeOptions fills them
     args = build_parser().parse_args(["generate", "--prompt", "x", "--slots", "2", "--max-len", "64"])
     assert (args.slots, args.max_len) == (2, 64)
+
+
+def test_queued_decode_steps_and_small_transfers_are_for_accelerators_and_configurable():
+    """On CPU the device is the host's cores: no fused sampler, no queued steps, no extra transfer programs
+    unless asked; the server config's `scheduler.overlap_steps` reaches the runtime options."""
+    from core.device import choose_overlap, choose_transfer_sizes
+    from server.config import load_config
+
+    assert choose_overlap()[0] is False and choose_overlap(True) == (True, "override")
+    assert choose_transfer_sizes() == ()
+    assert load_config().runtime_options().overlap_steps is None
+    assert load_config(overrides={"scheduler.overlap_steps": True}).runtime_options().overlap_steps is True
