@@ -228,11 +228,23 @@ def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *
     return compiler
 
 
+def engine_config(options: RuntimeOptions, kv_dtype: str | None, overlap: bool) -> EngineConfig:
+    """The engine's configuration for these options, with the KV dtype and the overlap choice made
+    (`core.device.choose_kv_dtype`, `choose_overlap`): overlapped steps need the fused sampler."""
+    from core.device import choose_transfer_sizes
+
+    return EngineConfig(num_slots=options.num_slots, max_len=options.max_len, chunk_sizes=tuple(options.chunk_sizes),
+                        kv_dtype=kv_dtype, rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
+                        chunk_in_decode=options.chunk_in_decode, fused_sampling=overlap,
+                        transfer_sizes=choose_transfer_sizes(), adapter_slots=options.adapter_slots,
+                        adapter_rank=options.adapter_rank)
+
+
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:
     """Load the model, compile every engine step (warm-up), warm the grammar compiler, build the scheduler."""
     from core.compile_cache import enable_compile_cache
-    from core.device import choose_kv_dtype, choose_overlap, choose_transfer_sizes, default_cache_dir
-    from core.engine import Engine, EngineConfig
+    from core.device import choose_kv_dtype, choose_overlap, default_cache_dir
+    from core.engine import Engine
     from core.program_store import ProgramStore
     from core.runtime import load_model
 
@@ -251,14 +263,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
         progress("load the model", detail=f"{options.model}, prepared weights from {weights_cache}")
     kv_dtype, kv_reason = choose_kv_dtype(options.kv_dtype, model.precision)
     overlap, overlap_reason = choose_overlap(options.overlap_steps)
-    engine = Engine(model.cfg, model.params,
-                    EngineConfig(num_slots=options.num_slots, max_len=options.max_len,
-                                 chunk_sizes=tuple(options.chunk_sizes), kv_dtype=kv_dtype,
-                                 rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
-                                 chunk_in_decode=options.chunk_in_decode, fused_sampling=overlap,
-                                 transfer_sizes=choose_transfer_sizes(),
-                                 adapter_slots=options.adapter_slots, adapter_rank=options.adapter_rank),
-                    model.dtype, program_store)
+    engine = Engine(model.cfg, model.params, engine_config(options, kv_dtype, overlap), model.dtype, program_store)
     engine.weights_identity = model.weights_identity
     if progress:
         progress("allocate the KV pool", detail=(

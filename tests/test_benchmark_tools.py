@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -140,29 +139,3 @@ def test_a_random_checkpoint_loads_as_a_model_with_the_real_tokenizer(tmp_path):
     assert model.tokenizer.decode(model.tokenizer.encode("a lighthouse keeper")) == "a lighthouse keeper"
     embed = np.asarray(model.params["embed"])
     assert embed.shape == (262144, 16) and 0.01 < float(embed.std()) < 0.03
-    queued_decode_steps_reach_the_runtime(str(out))
-
-
-def queued_decode_steps_reach_the_runtime(model: str) -> None:
-    """`overlap_steps` as an accelerator's runtime gets it (forced on here): the engine samples inside its
-    decode program and the scheduler queues steps, with the tokens that serial steps give."""
-    from agents.runtime import RuntimeOptions, build_runtime
-    from core.sampling import SamplingParams
-    from scheduler.request import GenerationRequest
-
-    runtime = build_runtime(RuntimeOptions(model=model, dtype="float32", precision="float", num_slots=2,
-                                           max_len=64, chunk_sizes=(16,), background_compile=False,
-                                           disk_tier_dir="off", speculative=False, overlap_steps=True))
-    scheduler = runtime.scheduler
-    assert runtime.engine.fused_sampling and scheduler.config.overlap_steps
-
-    def run() -> list[tuple[int, ...]]:
-        handles = [scheduler.submit(GenerationRequest((2, 100 + i, 7, 9), SamplingParams(temperature=0.7, seed=i),
-                                                      max_tokens=12, ignore_eos=True)) for i in range(2)]
-        scheduler.run_until_idle()
-        return [tuple(handle.result(timeout=0)[0]) for handle in handles]
-
-    queued = run()
-    assert scheduler.stats.overlapped_steps >= 10
-    scheduler.config = replace(scheduler.config, overlap_steps=False)
-    assert run() == queued

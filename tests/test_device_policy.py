@@ -191,10 +191,18 @@ def test_generate_cli_takes_the_runtime_defaults_unless_given():
 def test_queued_decode_steps_and_small_transfers_are_for_accelerators_and_configurable():
     """On CPU the device is the host's cores: no fused sampler, no queued steps, no extra transfer programs
     unless asked; the server config's `scheduler.overlap_steps` reaches the runtime options."""
+    from agents.runtime import engine_config
     from core.device import choose_overlap, choose_transfer_sizes
+    from core.engine import EngineConfig
     from server.config import load_config
 
     assert choose_overlap()[0] is False and choose_overlap(True) == (True, "override")
     assert choose_transfer_sizes() == ()
     assert load_config().runtime_options().overlap_steps is None
-    assert load_config(overrides={"scheduler.overlap_steps": True}).runtime_options().overlap_steps is True
+    options = load_config(overrides={"scheduler.overlap_steps": True}).runtime_options()
+    assert options.overlap_steps is True
+    # The choice reaches the engine: queued steps feed tokens back through the fused sampler.
+    overlap, _ = choose_overlap(options.overlap_steps)
+    assert engine_config(options, None, overlap).fused_sampling is True
+    assert engine_config(options, "int8", False) == EngineConfig(kv_dtype="int8", rows_verify_width=3,
+                                                                 chunk_in_decode=True)
