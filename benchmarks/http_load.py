@@ -563,7 +563,7 @@ def compare_with_engine(wave: dict[str, Any], before: dict[str, Any], after: dic
     wave["ratio_http_over_engine"] = round(wave["tokens_per_s"] / engine_tps, 3)
     # what the ratio would be if prefill took no time (everything else kept): isolates prefill's share
     wave["ratio_excluding_prefill_time"] = round(wave["completion_tokens"] / decode_wall / engine_tps, 3)
-    if split["decode_plus_sample_ms_per_step"]:
+    if split["decode_plus_sample_ms_per_step"] and not split["fused_decode_steps"]:  # those time their dispatch
         wave["in_server_step_over_baseline_step"] = round(
             split["decode_plus_sample_ms_per_step"] / engine_ms, 3)
 
