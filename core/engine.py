@@ -861,8 +861,8 @@ def _packed_columns(cache: dict[str, dict[str, Any]]) -> dict[str, tuple[np.dtyp
 
 def _bits(array: np.ndarray) -> np.ndarray:
     """The same bytes as unsigned integers where the dtype is a numpy extension type (bfloat16 from
-    ml_dtypes): numpy copies those element by element through the type's hooks, a strided copy ~15x slower
-    than the same bytes as uint16 (a 270M slot's save spent ~10 ms there off a TPU)."""
+    ml_dtypes): numpy copies those element by element through the type's hooks, a strided copy of a slot's
+    columns ~15x slower than the same bytes as uint16 (7.2 vs 0.47 ms on a CPU)."""
     return array if array.dtype.isbuiltin == 1 else array.view(f"u{array.dtype.itemsize}")  # 2: user-defined
 
 
