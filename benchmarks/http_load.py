@@ -281,6 +281,8 @@ def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[st
     (fed back on the device), the rate the device sustains when host work overlaps it."""
     import numpy as np
 
+    from benchmarks.engine import queued_step_seconds, serving_step
+
     s = engine.num_slots
     active = np.ones(s, bool)
     start = max(0, min(context, engine.max_len - 1 - warm - steps))
@@ -291,11 +293,7 @@ def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[st
     for i in range(warm + steps):
         positions = np.full(s, start + i, np.int32)
         begin = time.perf_counter()
-        if fused:
-            result = engine.decode_sample(tokens, positions, active, generated, needs_full=False)
-        else:
-            logits = engine.decode(tokens, positions, active)
-            result = engine.sample(logits, active, generated, needs_full=False)  # host copy: the sync point
+        result = serving_step(engine, tokens, positions, active, generated)  # host copy: the sync point
         elapsed = time.perf_counter() - begin
         tokens = np.where(result.tokens >= 0, result.tokens, 0).astype(np.int32)
         generated += 1
@@ -307,8 +305,6 @@ def engine_baseline(engine: Any, steps: int, warm: int, context: int) -> dict[st
               "ms_min": round(min(times) * 1e3, 2), "ms_max": round(max(times) * 1e3, 2),
               "tokens_per_s": round(s / p50, 3)}
     if fused:
-        from benchmarks.engine import queued_step_seconds
-
         report["queued_tokens_per_s"] = round(s / queued_step_seconds(engine, start, steps, tokens), 3)
     return report
 
