@@ -17,7 +17,8 @@
 # STEPS (default "info store engine"), MODELS (default gemma4-e2b), LIMIT_S (per step and model),
 # HBM_GBPS (the roofline's bandwidth: H200 4800, TPU v5e 819), SLOTSERVE_GIT_COMMIT (the commit, for the
 # reports: the machine's copy of the tree has no .git), WHEELS (a folder of wheels the machine lacks: installed
-# under /tmp/site first), TOKENIZER (a tokenizer directory, for http), HTTP_ARGS (more http_load.py args).
+# under /tmp/site first), TOKENIZER (a tokenizer directory, for http), HTTP_ARGS, LOOP_ARGS, ENGINE_ARGS (more
+# http_load.py, serving_loop.py, engine.py args).
 set -u
 out=${OUT:-benchmarks/results}
 tag=${TAG:-gpu}
@@ -44,7 +45,7 @@ engine() {
   for model in ${MODELS:-gemma4-e2b}; do
     timeout "$limit" "$py" benchmarks/engine.py --config "configs/models/$model.json" --slots 8 \
       --max-len 8192 --contexts 512,8191 --attention-buckets 1024,8192 --verify-width 0 --fused-sampling \
-      --hbm-gbps "${HBM_GBPS:-4800}" --out "$out/engine-$tag-$model.json"
+      --hbm-gbps "${HBM_GBPS:-4800}" --out "$out/engine-$tag-$model.json" ${ENGINE_ARGS:-}
     echo "$model: exit $?"
   done
 }
@@ -70,7 +71,7 @@ for step in ${STEPS:-info store engine}; do
                   --buckets 1024,8192 --steps 50 --out "$out/exported-programs-$tag-gemma4-e2b.json" ;;
     http) http ;;
     loop) random_checkpoint && timeout "$limit" "$py" benchmarks/serving_loop.py --model /tmp/gemma3-270m-random \
-            --out "$out/serving-loop-$tag-gemma3-270m-random.json" ;;
+            --out "$out/serving-loop-$tag-gemma3-270m-random.json" ${LOOP_ARGS:-} ;;
     engine) engine ;;
   esac >"$out/$step.log" 2>&1
   echo "$step: exit $? (log $out/$step.log)"
