@@ -66,9 +66,6 @@ class RuntimeOptions:
     # read (EngineConfig.fused_sampling + SchedulerConfig.overlap_steps); None: chosen per device
     # (core.device.choose_overlap: on for GPU / TPU, off on CPU).
     overlap_steps: bool | None = None
-    # Model steps take the parameters stacked by shape (EngineConfig.stack_params); None: chosen per device
-    # (core.device.choose_param_stacking: on for GPU / TPU, off on CPU).
-    stack_params: bool | None = None
     host_tier_bytes: int = SchedulerConfig.host_tier_bytes
     # The disk tier's directory: None for the default (`disk_tier_dir`), "off" for none.
     disk_tier_dir: str | None = None
@@ -234,14 +231,13 @@ def grammar_compiler(tokenizer: Any, options: RuntimeOptions, vocab_size: int, *
 def engine_config(options: RuntimeOptions, kv_dtype: str | None, overlap: bool) -> EngineConfig:
     """The engine's configuration for these options, with the KV dtype and the overlap choice made
     (`core.device.choose_kv_dtype`, `choose_overlap`): overlapped steps need the fused sampler."""
-    from core.device import choose_param_stacking, choose_transfer_sizes
+    from core.device import choose_transfer_sizes
 
     return EngineConfig(num_slots=options.num_slots, max_len=options.max_len, chunk_sizes=tuple(options.chunk_sizes),
                         kv_dtype=kv_dtype, rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
                         chunk_in_decode=options.chunk_in_decode, fused_sampling=overlap,
-                        transfer_sizes=choose_transfer_sizes(),
-                        stack_params=choose_param_stacking(options.stack_params),
-                        adapter_slots=options.adapter_slots, adapter_rank=options.adapter_rank)
+                        transfer_sizes=choose_transfer_sizes(), adapter_slots=options.adapter_slots,
+                        adapter_rank=options.adapter_rank)
 
 
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:

@@ -448,7 +448,6 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
     """Build and warm up one engine; sizes, memory and compile time go into `result`."""
     import jax
 
-    from core.device import choose_param_stacking
     from core.engine import Engine, EngineConfig
     from core.sampling import SamplingParams
     from core.weights import param_bytes
@@ -461,9 +460,8 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
                    "param_count": sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))})
     config = EngineConfig(num_slots=args.slots, max_len=args.max_len, chunk_sizes=args.chunk_sizes,
                           kv_dtype=kv_dtype, attention_buckets=args.attention_buckets, verify_width=args.verify_width,
-                          fused_sampling=args.fused_sampling, stack_params=choose_param_stacking(args.stack_params))
+                          fused_sampling=args.fused_sampling)
     engine = Engine(cfg, params, config, dtype)
-    result["stack_params"] = config.stack_params
     kv_total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(engine.cache))
     result.update({"bytes_per_slot": engine.bytes_per_slot, "kv_total_bytes": kv_total,
                    "kv_read_bytes_per_decode_step": decode_kv_read_bytes(engine),
@@ -638,9 +636,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="speculative verify width (default: the engine's; 0 compiles no verify program)")
     p.add_argument("--fused-sampling", action="store_true",
                    help="sample inside the decode program (EngineConfig.fused_sampling) and time it against two calls")
-    p.add_argument("--stack-params", type=lambda v: {"on": True, "off": False}[v], default=None,
-                   help="on / off: model steps take stacked parameters (EngineConfig.stack_params; default: as "
-                        "chosen for the device, on for GPU / TPU)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default: 16 on CPU, 100 otherwise)")
     p.add_argument("--warm-steps", type=int, default=2, help="untimed decode steps before each timing")
     p.add_argument("--prefill-chunks", type=int, default=None,

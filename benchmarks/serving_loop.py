@@ -45,9 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", choices=("auto", "on"), default="auto",
                    help="queued decode steps (scheduler.overlap_steps): as chosen for the device (on for GPU / TPU), "
                         "or on; where on, the timed run is repeated with them off")
-    p.add_argument("--stack-params", choices=("auto", "on", "off"), default="auto",
-                   help="model steps take stacked parameters (EngineConfig.stack_params): as chosen for the device "
-                        "(on for GPU / TPU), on or off")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -58,8 +55,7 @@ def build(args: argparse.Namespace) -> Any:
     options = RuntimeOptions(model=args.model, num_slots=8, max_len=args.max_len, speculative=False,
                              chunk_sizes=tuple(int(c) for c in args.chunk_sizes.split(",")),
                              background_compile=False, disk_tier_dir="off",
-                             overlap_steps=True if args.overlap == "on" else None,
-                             stack_params={"auto": None, "on": True, "off": False}[args.stack_params])
+                             overlap_steps=True if args.overlap == "on" else None)
     return build_runtime(options)
 
 

@@ -159,12 +159,3 @@ def choose_transfer_sizes() -> tuple[int, ...]:
     import jax
 
     return () if jax.devices()[0].platform == "cpu" else (128, 512)
-
-
-def choose_param_stacking(override: bool | None = None) -> bool:
-    """Whether model steps take their parameters stacked by shape (EngineConfig.stack_params), unless
-    overridden: on an accelerator a call's dispatch costs host time per argument array; XLA:CPU would copy
-    every weight out of its stack in every step instead."""
-    import jax
-
-    return override if override is not None else jax.devices()[0].platform != "cpu"

@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -27,7 +27,6 @@ from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
 from core.lora import LoraAdapter, adapted_projections, attach_slots, with_adapter
 from core.model import decode_step, decode_with_chunk, prefill_chunk, slot_batched_lora_exact, verify_chunk
-from core.param_stack import ParamStack
 from core.program_store import ProgramStore, environment_fingerprint
 from core.programs import Program, ProgramKey, ProgramTable, abstract
 from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
@@ -81,10 +80,6 @@ class EngineConfig:
     # buckets only (on CPU a host copy is a memcpy; off a TPU v5e a 1,024-position save of the 270M's slot
     # moved ~19 MB for a 150-token chat and took ~16 ms).
     transfer_sizes: tuple[int, ...] = ()
-    # Model steps take the parameters as one stacked array per shape and dtype (`core.param_stack`) instead of
-    # one array per tensor: dispatch costs host time per argument array (~250 of them, ~1 ms a decode call off
-    # a TPU v5e's host), and XLA:CPU copies the slices it takes back out, so it pays only on an accelerator.
-    stack_params: bool = False
     # LoRA adapter slots compiled into every model step (docs/lora.md): each KV slot's rows use one of them or
     # none, and loading an adapter writes into a slot (no program changes). 0: no adapter path at all.
     adapter_slots: int = 0
@@ -185,15 +180,13 @@ class Engine:
         if config.adapter_slots:
             params = attach_slots(params, [None] * config.adapter_slots, cfg, config.adapter_rank,
                                   every_projection=True)
+        self.params = params
         self.config = config
         self.dtype = dtype
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
         # LoRA adapter products are float, but each slot's are one `linear` pair over the call's rows, whose bits
         # do not depend on the row count (`core.model.lora_delta`; tests/test_batched_verify.py checks it).
         self.rows_exact = self.spec.quantized and all_matmuls_integer(params)
-        # What the model steps take: the parameter tree, or its stacked groups (`stack_params`).
-        self.param_stack = ParamStack(params) if config.stack_params else None
-        self.params: Any = params if self.param_stack is None else self.param_stack.stack(params)
         self.rows_verify_exact = config.rows_verify_width > 1 and self.rows_exact
         self.chunk_in_decode = config.chunk_in_decode and self.rows_exact
         # A decode step of rows under many adapters batches their products over the slots, where that rounds as
@@ -242,7 +235,7 @@ class Engine:
         beyond this process (the disk tier) is reused only under an equal identity. The weights are named by
         ``weights_identity`` where the loader set one (the checkpoint's hash and the precision), else hashed."""
         if self._kv_identity is None:
-            weights = self.weights_identity or _params_digest(self.named_params())
+            weights = self.weights_identity or _params_digest(self.params)
             text = json.dumps({"model": repr(self.cfg), "weights": weights, "dtype": self.dtype,
                                "kv": [self.spec.dtype, self.spec.max_len], "env": environment_fingerprint()})
             self._kv_identity = hashlib.sha256(text.encode()).hexdigest()
@@ -256,11 +249,7 @@ class Engine:
             raise ValueError(f"adapter slot {index} out of range (this engine has {self.config.adapter_slots})")
         if adapter is not None and adapter.rank > self.config.adapter_rank:
             raise ValueError(f"adapter rank {adapter.rank} is over the engine's {self.config.adapter_rank}")
-        if self.param_stack is None:
-            self.params = with_adapter(self.params, index, adapter)
-        else:  # only the adapter slots' groups are stacked again
-            self.params = self.param_stack.replace(self.params, partial(with_adapter, slot=index, adapter=adapter),
-                                                   touched=_is_adapter_slot)
+        self.params = with_adapter(self.params, index, adapter)
         self.loaded_adapters[index] = None if adapter is None else adapter.fingerprint
 
     def use_adapter(self, slot: int, index: int) -> None:
@@ -274,16 +263,8 @@ class Engine:
         """Device bytes one adapter slot takes (every projection at the maximum rank)."""
         if not self.config.adapter_slots:
             return 0
-        tree = self.params if self.param_stack is None else self.param_stack.abstract_tree()
-        arrays = [a for lp in tree["layers"] for pair in lp.get("lora", {}).values() for a in pair]
-        return sum(a.size * a.dtype.itemsize for a in arrays) // self.config.adapter_slots
-
-    def named_params(self) -> Iterator[tuple[str, jax.Array]]:
-        """(path, array) for every parameter of the tree, whether the engine holds it stacked or not."""
-        if self.param_stack is not None:
-            return self.param_stack.named_leaves(self.params)
-        flat = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        return ((jax.tree_util.keystr(path), leaf) for path, leaf in flat)
+        arrays = [a for lp in self.params["layers"] for pair in lp.get("lora", {}).values() for a in pair]
+        return sum(a.nbytes for a in arrays) // self.config.adapter_slots
 
     # ---- programs --------------------------------------------------------------------------
     def _build_programs(self, model: dict[str, Any]) -> dict[ProgramKey, Program]:
@@ -293,11 +274,8 @@ class Engine:
                 ) -> Program:
             donated = () if donate is None else donate if isinstance(donate, tuple) else (donate,)
             identity = f"{fn.__module__}.{fn.__qualname__}{sorted(static.items())!r}{donated}"
-            step = partial(fn, **static)
-            if fn in MODEL_STEPS and self.param_stack is not None:
-                step = partial(_on_stacked_params, step, self.param_stack)
-                identity += f" stacked params {self.param_stack.identity}"
-            return Program(name, jax.jit(step, donate_argnums=donated), donated, identity, self.program_store)
+            return Program(name, jax.jit(partial(fn, **static), donate_argnums=donated), donated, identity,
+                           self.program_store)
 
         rows, width, verify = self.num_slots, self.config.rows_verify_width, self.config.verify_tokens
         decode = {**model, "slot_batched_lora": self.slot_batched_lora}
@@ -751,15 +729,6 @@ class Engine:
         self.cache = self.programs["copy", size](self.cache, np.array([src, dst, n], np.int32))
 
 
-def _on_stacked_params(step: Callable[..., Any], stack: ParamStack, stacked: Any, *rest: Any) -> Any:
-    """A model step called with stacked parameters: the tree is sliced back out inside the program."""
-    return step(stack.unstack(stacked), *rest)
-
-
-def _is_adapter_slot(path: str) -> bool:
-    return "'lora'" in path
-
-
 def _prefill_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
     start, n_valid, slot, adapter = ints[0:1], ints[1:2], ints[2:3], ints[3:4]
     logits, cache = prefill_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
@@ -840,11 +809,6 @@ def _verify_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, atte
                                  view_width=view_width, adapters=ints[2])
     greedy = jnp.argmax(logits, axis=-1)
     return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
-
-
-# The steps that take the parameters first (the ones a stacked engine wraps in `_on_stacked_params`).
-MODEL_STEPS = frozenset({_prefill_step, _prefill_rows_step, _decode_step, _decode_chunk_step, _decode_sample_step,
-                         _verify_step, _verify_rows_step})
 
 
 def _sample_row(logits, state: SamplerState, slot, step, mask, dry_limit):
@@ -962,12 +926,13 @@ def _copy_prefix(cache, ints, *, size: int):
     return out
 
 
-def _params_digest(named: Iterable[tuple[str, jax.Array]]) -> str:
+def _params_digest(params: Any) -> str:
     """SHA-256 over every parameter's path, dtype, shape and bytes (adapter slots left out: the adapter is
     part of the cache scope)."""
     digest = hashlib.sha256()
-    for name, leaf in named:
-        if _is_adapter_slot(name):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = jax.tree_util.keystr(path)
+        if "lora" in name:
             continue
         array = np.asarray(leaf)
         digest.update(f"{name}:{array.dtype}:{array.shape}".encode())

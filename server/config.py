@@ -41,7 +41,6 @@ class ModelSection(_Section):
     chunk_sizes: list[int] = Field(default_factory=lambda: list(RUNTIME.chunk_sizes), min_length=1)
     compile_cache: str | None = None  # directory; None: ~/.cache/slotserve/xla; "off": disabled
     background_compile: bool = RUNTIME.background_compile  # ready once a short request's programs are compiled
-    stack_params: bool | None = RUNTIME.stack_params  # steps take per-layer weights stacked; None: per device
 
     @field_validator("chunk_sizes")
     @classmethod
@@ -161,7 +160,7 @@ class ServerConfig(_Section):
             num_slots=m.slots,
             max_len=m.max_len,
             chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache,
-            background_compile=m.background_compile, stack_params=m.stack_params, prefill_budget=s.prefill_budget,
+            background_compile=m.background_compile, prefill_budget=s.prefill_budget,
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
             batched_speculation=s.batched_speculation, chunk_in_decode=s.chunk_in_decode,
             overlap_steps=s.overlap_steps,

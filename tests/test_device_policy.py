@@ -188,18 +188,16 @@ def test_generate_cli_takes_the_runtime_defaults_unless_given():
     assert (args.slots, args.max_len) == (2, 64)
 
 
-def test_queued_decode_steps_small_transfers_and_stacking_are_for_accelerators():
-    """On CPU the device is the host's cores: no fused sampler, no queued steps, no extra transfer programs,
-    no stacked parameters unless asked; the server config's `scheduler.overlap_steps` reaches the runtime
-    options."""
+def test_queued_decode_steps_and_small_transfers_are_for_accelerators_and_configurable():
+    """On CPU the device is the host's cores: no fused sampler, no queued steps, no extra transfer programs
+    unless asked; the server config's `scheduler.overlap_steps` reaches the runtime options."""
     from agents.runtime import engine_config
-    from core.device import choose_overlap, choose_param_stacking, choose_transfer_sizes
+    from core.device import choose_overlap, choose_transfer_sizes
     from core.engine import EngineConfig
     from server.config import load_config
 
     assert choose_overlap()[0] is False and choose_overlap(True) == (True, "override")
-    assert choose_transfer_sizes() == () and choose_param_stacking() is False and choose_param_stacking(True)
-    assert load_config(overrides={"model.stack_params": True}).runtime_options().stack_params is True
+    assert choose_transfer_sizes() == ()
     assert load_config().runtime_options().overlap_steps is None
     options = load_config(overrides={"scheduler.overlap_steps": True}).runtime_options()
     assert options.overlap_steps is True
