@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -150,14 +150,33 @@ class PendingSample:
         return self._result
 
 
-@dataclass
+Layers = dict[str, dict[str, np.ndarray]]  # cache key -> array name -> [positions, ...]
+
+
 class SlotSnapshot:
     """Host copy of a slot's KV for positions [start, end) in every owning layer: written on top of a slot that
-    holds positions 0..start-1, it lets that slot continue at any position up to `end`."""
+    holds positions 0..start-1, it lets that slot continue at any position up to `end`.
 
-    start: int
-    end: int
-    layers: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # [end - start, ...] per array
+    Either its arrays, or ``pending``: what makes them once the copy off the device lands (`Engine.save_slot`
+    with wait=False); the first thread reading `layers` runs it (the disk tier's writer, say, instead of the
+    engine thread), and later readers get the same arrays."""
+
+    def __init__(self, start: int, end: int, layers: Layers | None = None, *,
+                 pending: Callable[[], Layers] | None = None) -> None:
+        if (layers is None) == (pending is None):
+            raise ValueError("a snapshot needs either its arrays or what makes them")
+        self.start, self.end = start, end
+        self._layers, self._pending = layers, pending
+        self._lock = threading.Lock()
+
+    @property
+    def layers(self) -> Layers:
+        """[end - start, ...] per array of every owning layer."""
+        if self._layers is None:
+            with self._lock:
+                if self._layers is None:
+                    self._layers, self._pending = self._pending(), None
+        return self._layers
 
     @property
     def nbytes(self) -> int:
@@ -692,19 +711,22 @@ class Engine:
         return SampleResult.unpack(packed)
 
     # ---- host tier and slot-to-slot copies ---------------------------------------------------
-    def save_slot(self, slot: int, start: int, end: int) -> SlotSnapshot:
-        """Copy positions [start, end) of a slot (every owning layer) to host memory."""
+    def save_slot(self, slot: int, start: int, end: int, wait: bool = True) -> SlotSnapshot:
+        """Copy positions [start, end) of a slot (every owning layer) to host memory. ``wait=False``: return once
+        the copy is queued behind the device's work; the snapshot's arrays are made where it is first read
+        (the slot may be overwritten meanwhile: the copy reads the KV the slot holds now)."""
         if not 0 <= start <= end <= self.max_len:
             raise ValueError(f"bad range [{start}, {end})")
         size = self._covering_transfer(end - start)
         at = min(start, self.max_len - size)
-        packed = jax.device_get(self.programs["read", size](self.cache, np.int32(slot), np.int32(at)))
-        host = _unpack_positions({name: _bits(np.asarray(a)) for name, a in packed.items()}, self.cache)
-        lo = start - at
-        layers = {key: {name: np.ascontiguousarray(arr[lo:lo + end - start]).view(self.cache[key][name].dtype)
-                        for name, arr in entry.items()}
-                  for key, entry in host.items()}
-        return SlotSnapshot(start=start, end=end, layers=layers)
+        packed = self.programs["read", size](self.cache, np.int32(slot), np.int32(at))
+        for array in packed.values():
+            array.copy_to_host_async()
+        snapshot = SlotSnapshot(start, end, pending=partial(_host_positions, packed, abstract(self.cache), start - at,
+                                                            end - start))
+        if wait:
+            snapshot.layers  # noqa: B018 - made now, on this thread
+        return snapshot
 
     def restore_slot(self, slot: int, snap: SlotSnapshot) -> None:
         """Write a snapshot's positions [start, end) into any slot (which must hold positions 0..snap.start-1)."""
@@ -880,6 +902,15 @@ def _unpack_positions(packed: dict[str, Any], cache: dict[str, dict[str, Any]]) 
             offsets[dtype] += width
             out[key][name] = block.reshape(block.shape[0], *array.shape[2:])
     return out
+
+
+def _host_positions(packed: dict[str, jax.Array], cache: dict[str, dict[str, Any]], lo: int, n: int) -> Layers:
+    """Positions [lo, lo + n) of a read program's packed result, as contiguous host arrays per cache array
+    (``cache``: the cache's shapes and dtypes, as `_unpack_positions` reads them)."""
+    host = _unpack_positions({name: _bits(np.asarray(a)) for name, a in packed.items()}, cache)
+    return {key: {name: np.ascontiguousarray(arr[lo:lo + n]).view(cache[key][name].dtype)
+                  for name, arr in entry.items()}
+            for key, entry in host.items()}
 
 
 def _read_range(cache, slot, at, *, size: int):

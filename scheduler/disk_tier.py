@@ -76,7 +76,7 @@ class DiskTier:
                         "write_errors": 0}
         self._bytes, self._entries = self._scan_totals()
         # (path, start, tokens, arrays): encoded and written on the writer thread; None: stop
-        self._queue: queue.Queue[tuple[Path, int, tuple[int, ...], Arrays] | None] = queue.Queue(WRITE_QUEUE)
+        self._queue: queue.Queue[tuple[Path, int, tuple[int, ...], SlotSnapshot] | None] = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="slotserve-kv-disk", daemon=True)
         self._writer.start()
 
@@ -146,9 +146,9 @@ class DiskTier:
         return queued
 
     def _enqueue_run(self, path: Path, tokens: Sequence[int], lo: int, hi: int, snapshot: SlotSnapshot) -> int:
-        part = {k: {n: a[lo - snapshot.start:hi - snapshot.start] for n, a in e.items()}
-                for k, e in snapshot.layers.items()}
-        return self._enqueue((path, lo, tuple(tokens[lo:hi]), part))
+        """Queue positions [lo, hi) of ``snapshot``; its arrays are read on the writer thread (a snapshot still
+        on its way off the device is waited for there, not by the engine thread)."""
+        return self._enqueue((path, lo, tuple(tokens[lo:hi]), snapshot))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued file is written (True) or ``timeout_s`` passes (False)."""
@@ -251,7 +251,7 @@ class DiskTier:
             arrays.setdefault(key, {})[name] = array[:n]
         return arrays if offset == len(body) else None
 
-    def _enqueue(self, item: tuple[Path, int, tuple[int, ...], Arrays]) -> int:
+    def _enqueue(self, item: tuple[Path, int, tuple[int, ...], SlotSnapshot]) -> int:
         try:
             self._queue.put_nowait(item)
             return 1
@@ -265,7 +265,9 @@ class DiskTier:
             try:
                 if item is None:
                     return
-                path, start, tokens, arrays = item
+                path, start, tokens, snapshot = item
+                cut = start - snapshot.start
+                arrays = {k: {n: a[cut:cut + len(tokens)] for n, a in e.items()} for k, e in snapshot.layers.items()}
                 self._write(path, self._encode(start, tokens, arrays))
             except Exception:  # noqa: BLE001 - a failed write (disk full, permissions) loses only that entry
                 log.exception("disk KV tier: writing an entry failed")

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -167,6 +168,31 @@ def assert_same(a: SlotSnapshot, b: SlotSnapshot) -> None:
         for name, array in entry.items():
             assert array.dtype == b.layers[key][name].dtype
             np.testing.assert_array_equal(array, b.layers[key][name])
+
+
+def test_snapshots_still_on_their_way_off_the_device_are_read_on_the_writer_thread(tmp_path):
+    tier = DiskTier(tmp_path, 2**30, "m")
+    tokens, other = ids(22, BLOCK + 3), ids(23, BLOCK + 3)
+    readers = []
+
+    def on_its_way(start: int) -> SlotSnapshot:
+        def arrive() -> dict:
+            readers.append(threading.current_thread())
+            return snapshot(tokens, start).layers
+        return SlotSnapshot(start, len(tokens), pending=arrive)
+
+    assert tier.store_missing("s", tokens, on_its_way) == 2  # a full block and the tail, from one snapshot
+    tier.flush(10)
+    assert len(readers) == 1 and readers[0] is not threading.current_thread()
+    assert_same(tier.fetch("s", tokens, 0, len(tokens)), snapshot(tokens))
+
+    def lost() -> dict:
+        raise RuntimeError("the copy off the device failed")
+
+    tier.store_missing("s", other, lambda start: SlotSnapshot(start, len(other), pending=lost))
+    tier.flush(10)
+    assert tier.stats()["write_errors"] == 2 and tier.match("s", other) == 0  # lost files, the tier still serves
+    assert tier.match("s", tokens) == len(tokens)
 
 
 def test_lookups_serve_any_prefix_and_the_tail(tmp_path):

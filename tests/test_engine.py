@@ -190,6 +190,13 @@ def test_save_restore_and_slot_copy_continue_bit_identically(setup):
     engine.restore_slot(1, first)
     engine.restore_slot(1, second)
     assert np.array_equal(continuation(1), baseline)
+    # A save that does not wait reads the slot as it was when issued, though the slot is overwritten before
+    # the snapshot's arrays are made.
+    engine.prefill(0, prompt, 0)
+    later = engine.save_slot(0, 0, len(prompt), wait=False)
+    engine.prefill(0, follow, 0)
+    engine.restore_slot(1, later)
+    assert np.array_equal(continuation(1), baseline)
     # Device copy of the whole prefix.
     engine.prefill(0, prompt, 0)
     engine.copy_prefix(0, 1, len(prompt))
