@@ -5,7 +5,8 @@ this thread, against the engine's own decode + sample step in the same process.
     .venv/bin/python benchmarks/serving_loop.py --model /tmp/ckpt --streams 8 --max-tokens 256
 
 What it reports: the engine baseline (decode + sample for all slots, ms per step); a timed run (wall per
-iteration, and its excess over the baseline step: the host work a step does not overlap); a second run under
+iteration, and its excess over the baseline step: the host work a step does not overlap; --repeats runs, whose
+spread on a shared accelerator host is wide, interleaved with as many without queued steps); a run under
 cProfile (this thread only) with the functions that take the most time of their own and the cumulative time
 of the loop's parts (plan, execute, update, delivery, the engine's program calls and host copies). For a
 device whose step is a few milliseconds (a TPU, a GPU) the excess is what keeps HTTP below the engine's rate.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -41,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1024, help="positions per slot (one attention bucket)")
     p.add_argument("--chunk-sizes", default="32,128", help="prefill chunk sizes")
     p.add_argument("--baseline-steps", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs of each variant, interleaved (the report gives each run and the medians)")
     p.add_argument("--top", type=int, default=25, help="functions listed by their own time")
     p.add_argument("--overlap", choices=("auto", "on"), default="auto",
                    help="queued decode steps (scheduler.overlap_steps): as chosen for the device (on for GPU / TPU), "
@@ -133,13 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     one_run(runtime, args, salt=0)  # every program's first run, not measured
     baseline = engine_baseline(runtime.engine, args.baseline_steps, 2, 64)
     report["engine_baseline"] = baseline
-    report["timed"] = timed_run(runtime, args, baseline, salt=1)
     overlapping = runtime.engine.fused_sampling and runtime.scheduler.config.overlap_steps
     report["overlap_steps"] = overlapping
-    if overlapping:  # the same run with every step's tokens read before the next is dispatched
-        runtime.scheduler.config = replace(runtime.scheduler.config, overlap_steps=False)
-        report["timed_without_overlap"] = timed_run(runtime, args, baseline, salt=3)
-        runtime.scheduler.config = replace(runtime.scheduler.config, overlap_steps=True)
+    variants = {"timed": runtime.scheduler.config}
+    if overlapping:  # the same runs with every step's tokens read before the next is dispatched
+        variants["timed_without_overlap"] = replace(runtime.scheduler.config, overlap_steps=False)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for repeat in range(args.repeats):  # interleaved, so that a slow phase of the host hits both alike
+        for i, (name, config) in enumerate(variants.items()):
+            runtime.scheduler.config = config
+            runs[name].append(timed_run(runtime, args, baseline, salt=10 + 2 * repeat + i))
+    runtime.scheduler.config = variants["timed"]
+    for name, results in runs.items():
+        report[name] = {f"median_{key}": round(statistics.median(r[key] for r in results), 3)
+                        for key in ("ms_per_iteration", "ratio_over_engine")}
+        report[name]["runs"] = results
     profile = cProfile.Profile()
     profile.enable()
     profiled = one_run(runtime, args, salt=2)
