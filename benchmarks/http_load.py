@@ -266,6 +266,11 @@ class EngineTimers:
             "verify_s": round(verify, 3),
             "verify_ms_per_step": round(verify / verifies * 1e3, 2) if verifies else None,
             "prefill_first_token_and_slot_copies_s": round(other, 3),
+            # of which: slot saves to the host (a save that does not wait, as the disk tier's, is timed at its
+            # dispatch) and restores / device copies into slots
+            "slot_saves": self.calls["save_slot"],
+            "slot_saves_s": round(self.seconds["save_slot"], 3),
+            "slot_restores_and_copies_s": round(self.seconds["restore_slot"] + self.seconds["copy_prefix"], 3),
             "prefill_chunks": self.calls["prefill_chunk"] + self.calls["prefill"] + self.calls["prefill_rows"],
             "rest_s": round(wall - step - other, 3),
             "share_decode_verify_sample": round(step / wall, 3) if wall else None,
