@@ -75,7 +75,7 @@ class DiskTier:
         self._counts = {"hits": 0, "misses": 0, "writes": 0, "evictions": 0, "damaged": 0, "dropped": 0,
                         "write_errors": 0}
         self._bytes, self._entries = self._scan_totals()
-        # (path, start, tokens, arrays): encoded and written on the writer thread; None: stop
+        # (path, start, tokens, snapshot): sliced, encoded and written on the writer thread; None: stop
         self._queue: queue.Queue[tuple[Path, int, tuple[int, ...], SlotSnapshot] | None] = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="slotserve-kv-disk", daemon=True)
         self._writer.start()
