@@ -170,6 +170,11 @@ class SlotSnapshot:
         self._lock = threading.Lock()
 
     @property
+    def ready(self) -> bool:
+        """Whether its arrays are made (reading `layers` then waits for nothing)."""
+        return self._layers is not None
+
+    @property
     def layers(self) -> Layers:
         """[end - start, ...] per array of every owning layer."""
         if self._layers is None:

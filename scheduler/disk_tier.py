@@ -46,6 +46,9 @@ MAGIC = b"SSKV"
 _HEAD = struct.Struct("<4sII")  # magic, format, header length
 DIGEST_BYTES = 32  # blake2b over everything before it
 WRITE_QUEUE = 256  # pending file writes; beyond it new ones are dropped (counted), never the engine blocked
+# Snapshots still on their way off the device that the queue may hold: each keeps its copy's device buffer (up to
+# a whole slot's KV, ~150 MB for the E2B) until the writer reads it; beyond this the caller waits for the copy.
+COPIES_IN_FLIGHT = 4
 STALE_TEMP_S = 600.0  # a temporary file this old was left by a killed writer (a live one renames in ms)
 Arrays = dict[str, dict[str, np.ndarray]]
 
@@ -72,6 +75,7 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self.identity = identity
         self._lock = threading.Lock()
+        self._in_flight: set[int] = set()  # ids of queued snapshots not yet read by the writer
         self._counts = {"hits": 0, "misses": 0, "writes": 0, "evictions": 0, "damaged": 0, "dropped": 0,
                         "write_errors": 0}
         self._bytes, self._entries = self._scan_totals()
@@ -129,6 +133,20 @@ class DiskTier:
         re-renders the assistant's message differently). Returns the files queued."""
         if snapshot.start % BLOCK or snapshot.end != len(tokens):
             raise ValueError(f"a store covers [block start, len(tokens)); got [{snapshot.start}, {snapshot.end})")
+        if not snapshot.ready:
+            with self._lock:
+                room = len(self._in_flight) < COPIES_IN_FLIGHT
+                if room:
+                    self._in_flight.add(id(snapshot))
+            if not room:
+                snapshot.layers  # noqa: B018 - made on this thread: device memory stays bounded
+        queued = self._store_runs(scope, tokens, snapshot, boundaries)
+        if not queued:
+            self._settled(snapshot)
+        return queued
+
+    def _store_runs(self, scope: Hashable, tokens: Sequence[int], snapshot: SlotSnapshot,
+                    boundaries: Sequence[int]) -> int:
         link = chain_start(self.identity, scope)
         queued = 0
         for lo in range(0, len(tokens), BLOCK):
@@ -149,6 +167,11 @@ class DiskTier:
         """Queue positions [lo, hi) of ``snapshot``; its arrays are read on the writer thread (a snapshot still
         on its way off the device is waited for there, not by the engine thread)."""
         return self._enqueue((path, lo, tuple(tokens[lo:hi]), snapshot))
+
+    def _settled(self, snapshot: SlotSnapshot) -> None:
+        """``snapshot`` no longer holds a copy in flight for this tier (read, failed, or none of it queued)."""
+        with self._lock:
+            self._in_flight.discard(id(snapshot))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued file is written (True) or ``timeout_s`` passes (False)."""
@@ -267,7 +290,11 @@ class DiskTier:
                     return
                 path, start, tokens, snapshot = item
                 cut = start - snapshot.start
-                arrays = {k: {n: a[cut:cut + len(tokens)] for n, a in e.items()} for k, e in snapshot.layers.items()}
+                try:
+                    layers = snapshot.layers
+                finally:
+                    self._settled(snapshot)
+                arrays = {k: {n: a[cut:cut + len(tokens)] for n, a in e.items()} for k, e in layers.items()}
                 self._write(path, self._encode(start, tokens, arrays))
             except Exception:  # noqa: BLE001 - a failed write (disk full, permissions) loses only that entry
                 log.exception("disk KV tier: writing an entry failed")

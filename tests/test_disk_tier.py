@@ -195,6 +195,34 @@ def test_snapshots_still_on_their_way_off_the_device_are_read_on_the_writer_thre
     assert tier.match("s", tokens) == len(tokens)
 
 
+def test_copies_in_flight_are_bounded_by_waiting_on_the_callers_thread(tmp_path, monkeypatch):
+    """Each queued snapshot still on its way off the device holds device memory until the writer reads it:
+    past COPIES_IN_FLIGHT of them, a store makes its snapshot's arrays before queueing it."""
+    monkeypatch.setattr(disk_tier, "COPIES_IN_FLIGHT", 1)
+    tier = DiskTier(tmp_path, 2**30, "m")
+    first, second = ids(24, BLOCK), ids(25, BLOCK)
+    release, readers = threading.Event(), {}
+
+    def on_its_way(tokens, gate=None):
+        def arrive() -> dict:
+            readers[tokens] = threading.current_thread()
+            if gate is not None:
+                assert gate.wait(10)
+            return snapshot(tokens).layers
+        return lambda start: SlotSnapshot(start, len(tokens), pending=arrive)
+
+    tier.store_missing("s", first, on_its_way(first, release))  # the writer waits inside this one's copy
+    tier.store_missing("s", second, on_its_way(second))
+    assert readers[second] is threading.current_thread()  # no room in flight: made here
+    release.set()
+    tier.flush(10)
+    assert readers[first] is not threading.current_thread()
+    assert tier.match("s", first) == tier.match("s", second) == BLOCK
+    tier.store_missing("s", ids(26, BLOCK), on_its_way(ids(26, BLOCK)))  # the slot freed: queued again
+    tier.flush(10)
+    assert readers[ids(26, BLOCK)] is not threading.current_thread()
+
+
 def test_lookups_serve_any_prefix_and_the_tail(tmp_path):
     tier = DiskTier(tmp_path, 2**30, "m")
     tokens = ids(20, 3 * BLOCK + 10)
