@@ -144,7 +144,9 @@ async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: 
         t0, cpu0 = time.perf_counter(), time.process_time()
         sessions = await asyncio.gather(*(one_session(client, url, model, i, max_tokens, t0) for i in range(n)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"wall_s": wall, "sessions": sessions, "client_cpu_s": cpu}
+    # perf_counter is the system's monotonic clock, shared with the server process: the server's timeline
+    # is placed on the client's by this origin
+    return {"wall_s": wall, "sessions": sessions, "client_cpu_s": cpu, "t0": t0}
 
 
 def client_main(args: argparse.Namespace) -> int:
@@ -276,6 +278,78 @@ class EngineTimers:
             "share_decode_verify_sample": round(step / wall, 3) if wall else None,
             "share_prefill": round(other / wall, 3) if wall else None,
             "share_rest": round((wall - step - other) / wall, 3) if wall else None,
+        }
+
+
+class WaveTimeline:
+    """Where a wave's first tokens wait, from the server's side: for each request its arrival, admission,
+    first token and finish (ms from the client's start of the wave), and for each of the first iterations when it
+    ran and what its plan held. Wraps the scheduler's methods through instance attributes, like EngineTimers."""
+
+    ITERATIONS = 24  # the first iterations of a wave are where admission, cache operations and prefill happen
+
+    def __init__(self, scheduler: Any, service: Any) -> None:
+        self.scheduler = scheduler
+        self.reset()
+        render = service.render
+
+        async def timed_render(*a: Any, **kw: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return await render(*a, **kw)
+            finally:
+                self.renders.append((begin, time.perf_counter()))
+
+        service.render = timed_render
+        step, plan, finish = scheduler.step, scheduler.planner.plan, scheduler._finish
+
+        def timed_step() -> None:
+            begin = time.perf_counter()
+            self._plan = None
+            step()
+            if len(self.iterations) < self.ITERATIONS:
+                self.iterations.append((begin, time.perf_counter(), self._plan))
+
+        def recorded_plan() -> Any:
+            self._plan = plan()
+            return self._plan
+
+        def recorded_finish(seq: Any, *a: Any, **kw: Any) -> None:
+            self.requests.append((seq.arrival, seq.admitted_at, seq.first_token_at, time.perf_counter(),
+                                  seq.cached_tokens))
+            finish(seq, *a, **kw)
+
+        scheduler.step, scheduler.planner.plan, scheduler._finish = timed_step, recorded_plan, recorded_finish
+
+    def reset(self) -> None:
+        self.requests: list[tuple[Any, ...]] = []
+        self.renders: list[tuple[float, float]] = []  # (begin, end) of each request's rendering, in the server
+        self.iterations: list[tuple[float, float, Any]] = []
+        self._plan: Any = None
+
+    def summary(self, zero: float) -> dict[str, Any]:
+        """The timeline in ms from ``zero``: the client's start of the wave on the same monotonic clock."""
+        if not self.requests:
+            return {}
+
+        def at(t: float | None) -> float | None:
+            return None if t is None else round((t - zero) * 1e3, 1)
+
+        def ops(plan: Any) -> dict[str, Any] | str:
+            if plan is None:
+                return "queued follow-on"
+            kinds: dict[str, int] = {}
+            for op in plan.cache_ops:
+                kinds[type(op).__name__] = kinds.get(type(op).__name__, 0) + 1
+            return {"admitted": len(plan.admitted), "cache_ops": kinds, "prefill_rows": len(plan.rows),
+                    "chunks": len(plan.chunks), "decode_rows": len(plan.decode)}
+
+        return {
+            "renders_ms": [(at(b), at(e)) for b, e in sorted(self.renders)],
+            "requests_ms": [{"arrival": at(a), "admitted": at(b), "first_token": at(c), "finished": at(d),
+                             "cached_tokens": cached} for a, b, c, d, cached in sorted(self.requests)],
+            "first_iterations_ms": [{"begin": at(b), "end": at(e), "plan": ops(p)} for b, e, p in self.iterations
+                                    if e >= zero],
         }
 
 
@@ -527,11 +601,13 @@ def start_ours(args: argparse.Namespace, record: dict[str, Any]) -> tuple[Any, L
     return runtime, server
 
 
-def measure_wave(args: argparse.Namespace, runtime: Any, url: str, timers: EngineTimers, n: int) -> dict[str, Any]:
+def measure_wave(args: argparse.Namespace, runtime: Any, url: str, timers: EngineTimers, timeline: WaveTimeline,
+                 n: int) -> dict[str, Any]:
     """One wave of ``n`` sessions against an idle server: the client's figures, the server's CPU and engine
     time split, and what the scheduler's counters moved by."""
     wait_idle(runtime.scheduler)
     timers.reset()
+    timeline.reset()
     stats0 = runtime.scheduler.counters()
     cpu0 = thread_cpu_seconds()
     raw = wave_in_subprocess(url, args.agent, n, args.max_tokens, args.timeout)
@@ -541,6 +617,8 @@ def measure_wave(args: argparse.Namespace, runtime: Any, url: str, timers: Engin
     wave["server_time_split"] = timers.snapshot(raw["wall_s"])
     stats1 = runtime.scheduler.counters()
     wave["scheduler_delta"] = {k: stats1[k] - stats0[k] for k in stats1 if stats1[k] != stats0[k]}
+    wave["timeline"] = timeline.summary(raw["t0"])
+    wave["timeline"]["client_ends_ms"] = sorted(round((s["end"]) * 1e3, 1) for s in raw["sessions"])
     return wave
 
 
@@ -590,6 +668,7 @@ def wait_for_programs(engine: Any) -> float:
 def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str, Any], save: Any) -> None:
     runtime, server = start_ours(args, record)
     timers = EngineTimers(runtime.engine)
+    timeline = WaveTimeline(runtime.scheduler, server.server.config.app.state.slotserve.service)
     try:
         # warm the HTTP path and the prefill/decode programs once (not measured)
         wave_in_subprocess(server.url, args.agent, 2, 4, args.timeout)
@@ -605,7 +684,7 @@ def run_ours(args: argparse.Namespace, concurrency: list[int], record: dict[str,
         for n in concurrency:
             if args.warm_waves:  # each program this N runs has run once: no first-run set-up in the figures
                 wave_in_subprocess(server.url, args.agent, n, args.max_tokens, args.timeout)
-            wave = measure_wave(args, runtime, server.url, timers, n)
+            wave = measure_wave(args, runtime, server.url, timers, timeline, n)
             after = idle_baseline(args, runtime, timers)
             before = record["engine_baselines"][-1]
             record["engine_baselines"].append(after)
