@@ -162,11 +162,14 @@ class SlotSnapshot:
     engine thread), and later readers get the same arrays."""
 
     def __init__(self, start: int, end: int, layers: Layers | None = None, *,
-                 pending: Callable[[], Layers] | None = None) -> None:
+                 pending: Callable[[], Layers] | None = None, position_bytes: int | None = None) -> None:
+        """``position_bytes``: the bytes one position takes in all arrays together, given with ``pending`` so
+        that `nbytes` is known before the arrays are made (without it, asking makes them)."""
         if (layers is None) == (pending is None):
             raise ValueError("a snapshot needs either its arrays or what makes them")
         self.start, self.end = start, end
         self._layers, self._pending = layers, pending
+        self._position_bytes = position_bytes
         self._lock = threading.Lock()
 
     @property
@@ -185,7 +188,15 @@ class SlotSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for entry in self.layers.values() for a in entry.values())
+        """The bytes of its arrays (known without making them)."""
+        return (self.end - self.start) * self.position_bytes
+
+    @property
+    def position_bytes(self) -> int:
+        if self._position_bytes is None:
+            total = sum(a.nbytes for entry in self.layers.values() for a in entry.values())
+            self._position_bytes = total // max(self.end - self.start, 1)
+        return self._position_bytes
 
     def suffix(self, start: int) -> SlotSnapshot:
         """Positions [start, end) of this snapshot (views, not copies)."""
@@ -727,8 +738,10 @@ class Engine:
         packed = self.programs["read", size](self.cache, np.int32(slot), np.int32(at))
         for array in packed.values():
             array.copy_to_host_async()
+        columns = _packed_columns(self.cache).values()
         snapshot = SlotSnapshot(start, end, pending=partial(_host_positions, packed, abstract(self.cache), start - at,
-                                                            end - start))
+                                                            end - start),
+                                position_bytes=sum(dtype.itemsize * width for dtype, width in columns))
         if wait:
             snapshot.layers  # noqa: B018 - made now, on this thread
         return snapshot

@@ -28,7 +28,8 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
     out = StepOutcome()
     for op in plan.cache_ops:
         if isinstance(op, SaveToHost):
-            host.insert(op.scope, op.tokens, engine.save_slot(op.slot, op.start, len(op.tokens)))
+            # the copy off the device is not waited for: the host tier stores the run as it lands
+            host.insert(op.scope, op.tokens, engine.save_slot(op.slot, op.start, len(op.tokens), wait=False))
         elif isinstance(op, CopyPrefix):
             engine.copy_prefix(op.src, op.dst, op.n)
         elif isinstance(op, RestoreFromHost):

@@ -12,11 +12,19 @@ its descendants need). "Used" means stored or fetched; `match` is a pure query, 
 alive. Cache scopes (opaque; agents/ makes one per agent and client cache salt) have separate trees: a
 prompt never matches KV stored under another scope.
 
+A stored run need not be on the host yet: a snapshot whose copy off the device is still under way
+(`Engine.save_slot` with wait=False) is kept as such, its bytes known from its shape, so that admission does
+not wait for the copies of the conversations it moves out of slots (~5 ms each off a TPU v5e). A helper
+thread makes their arrays in the order stored; a reader that needs one first makes it itself. At most
+`COPIES_IN_FLIGHT` runs wait for a copy (each holds a device buffer); past that a store makes its arrays on
+the caller's thread.
+
 All methods take one lock: the engine thread stores and fetches, the metrics endpoint reads `stats()`.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Hashable, Sequence
 
@@ -26,6 +34,7 @@ from core.engine import SlotSnapshot
 
 Key = tuple[int, ...]
 Arrays = dict[str, dict[str, np.ndarray]]  # layer key -> array name -> [positions, ...]
+COPIES_IN_FLIGHT = 8  # one admission wave's saves on 8 slots
 
 
 def as_key(tokens: Sequence[int] | np.ndarray) -> Key:
@@ -65,16 +74,59 @@ def _nbytes(arrays: Arrays) -> int:
     return sum(a.nbytes for entry in arrays.values() for a in entry.values())
 
 
+class _Run:
+    """The KV of a run of positions: host arrays, or positions [lo, hi) of a snapshot (relative to its start)
+    whose arrays may not be made yet. Made once, by whichever thread asks first; a dropped run (evicted, or
+    split into two new ones) is not made by the helper thread."""
+
+    __slots__ = ("_arrays", "_source", "_lo", "_hi", "nbytes", "dropped", "_lock")
+
+    def __init__(self, arrays: Arrays | None = None, source: SlotSnapshot | None = None, lo: int = 0,
+                 hi: int = 0) -> None:
+        self._arrays, self._source, self._lo, self._hi = arrays, source, lo, hi
+        self.nbytes = _nbytes(arrays) if arrays is not None else (hi - lo) * source.position_bytes
+        self.dropped = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, snapshot: SlotSnapshot, lo: int, hi: int) -> _Run:
+        """Positions [lo, hi) of ``snapshot`` (relative to its start): copied now if its arrays are made."""
+        if snapshot.ready:
+            return cls(_slice(snapshot.layers, lo, hi))
+        return cls(source=snapshot, lo=lo, hi=hi)
+
+    @property
+    def ready(self) -> bool:
+        return self._arrays is not None
+
+    @property
+    def arrays(self) -> Arrays:
+        """[positions, ...] per array (waits for the copy off the device if it has not landed)."""
+        if self._arrays is None:
+            with self._lock:
+                if self._arrays is None:
+                    self._arrays = _slice(self._source.layers, self._lo, self._hi)
+                    self._source = None  # the rest of the snapshot (and its device buffer) can go
+        return self._arrays
+
+    def part(self, lo: int, hi: int) -> _Run:
+        """Positions [lo, hi) of this run, without making it (nor waiting for a thread that is making it)."""
+        source = self._source  # read before the arrays: `arrays` sets them before it lets the source go
+        if self._arrays is not None:
+            return _Run(_slice(self._arrays, lo, hi))
+        return _Run(source=source, lo=self._lo + lo, hi=self._lo + hi)
+
+
 class _Node:
     __slots__ = ("label", "kv", "children", "parent", "last_used", "nbytes")
 
-    def __init__(self, label: Key, kv: Arrays, parent: _Node | None) -> None:
+    def __init__(self, label: Key, kv: _Run, parent: _Node | None) -> None:
         self.label = label  # the tokens of this edge; () only for a scope's root
         self.kv = kv  # their KV: [len(label), ...] per array
         self.children: dict[int, _Node] = {}  # keyed by the first token of the child's label
         self.parent = parent
         self.last_used = 0
-        self.nbytes = _nbytes(kv)
+        self.nbytes = kv.nbytes
 
 
 class HostTier:
@@ -93,6 +145,9 @@ class HostTier:
         self._stored_positions = 0
         self._evictions = 0
         self._lock = threading.Lock()
+        self._unmade: queue.Queue[_Run] = queue.Queue()  # runs stored before their copy landed, oldest first
+        self._maker: threading.Thread | None = None
+        self._maker_lock = threading.Lock()  # not the tree's lock: a split, under that lock, queues runs
 
     @property
     def budget_bytes(self) -> int:
@@ -115,28 +170,33 @@ class HostTier:
             path, matched = self._walk(scope, key)
             if not 0 <= start < end <= matched:
                 raise ValueError(f"positions [{start}, {end}) are not stored (the tree holds {matched})")
-            pieces: list[Arrays] = []
+            runs: list[tuple[_Run, int, int]] = []
             depth = 0
             self._clock += 1
             for node, used in path:
                 lo, hi = max(start, depth), min(end, depth + used)
                 if lo < hi:
-                    pieces.append({k: {n: a[lo - depth:hi - depth] for n, a in e.items()} for k, e in node.kv.items()})
+                    runs.append((node.kv, lo - depth, hi - depth))
                 node.last_used = self._clock
                 depth += used
             self._hits += 1
-        if not pieces:
+        if not runs:
             raise ValueError("nothing to fetch: an empty range")
+        # made outside the lock: a run whose copy has not landed waits for it
+        pieces = [{k: {n: a[lo:hi] for n, a in e.items()} for k, e in run.arrays.items()} for run, lo, hi in runs]
         layers = {k: {n: np.concatenate([p[k][n] for p in pieces]) for n in entry} for k, entry in pieces[0].items()}
         return SlotSnapshot(start=start, end=end, layers=layers)
 
     def insert(self, scope: Hashable, tokens: Sequence[int] | np.ndarray, snapshot: SlotSnapshot) -> int:
         """Store the KV of `tokens` from `snapshot`, which holds positions [snapshot.start, len(tokens)). Returns
         the positions newly stored: 0 when the tree already held them all, when the new run alone exceeds the
-        budget, or when the tree no longer holds [0, snapshot.start) (evicted since the caller looked)."""
+        budget, or when the tree no longer holds [0, snapshot.start) (evicted since the caller looked). A
+        snapshot whose arrays are not made yet is stored as it is (see the module's docstring)."""
         key = as_key(tokens)
         if snapshot.end != len(key):
             raise ValueError(f"the snapshot ends at {snapshot.end}, the tokens at {len(key)}")
+        if not snapshot.ready and self._unmade.qsize() >= COPIES_IN_FLIGHT:
+            snapshot.layers  # noqa: B018 - made on this thread: the device buffers held stay bounded
         with self._lock:
             path, matched = self._walk(scope, key)
             if matched < snapshot.start:
@@ -146,10 +206,10 @@ class HostTier:
                 node.last_used = self._clock
             if matched == len(key):
                 return 0
-            run = _slice(snapshot.layers, matched - snapshot.start, len(key) - snapshot.start)
-            if _nbytes(run) > self._budget:
+            run = _Run.of(snapshot, matched - snapshot.start, len(key) - snapshot.start)
+            if run.nbytes > self._budget:
                 return 0
-            parent = self._roots.setdefault(scope, _Node((), {}, None))
+            parent = self._roots.setdefault(scope, _Node((), _Run({}), None))
             if path:
                 node, used = path[-1]
                 parent = node if used == len(node.label) else self._split(node, used)
@@ -158,11 +218,41 @@ class HostTier:
             self._attach(parent, leaf)
             self._evict_until_within_budget(keep=leaf)
             self._stored_positions += len(leaf.label)
-            return len(leaf.label)
+        if not run.ready:
+            self._make_later(run)
+        return len(leaf.label)
+
+    def settle(self) -> None:
+        """Make every stored run's arrays now (waiting for their copies)."""
+        with self._lock:
+            runs = [node.kv for node in self._nodes_all()]
+        for run in runs:
+            run.arrays  # noqa: B018 - made here
+
+    def _make_later(self, run: _Run) -> None:
+        self._unmade.put(run)
+        with self._maker_lock:
+            if self._maker is None:
+                self._maker = threading.Thread(target=self._make_runs, name="slotserve-kv-host", daemon=True)
+                self._maker.start()
+
+    def _make_runs(self) -> None:
+        """The helper thread: make stored runs' arrays as their copies land, oldest first."""
+        while True:
+            run = self._unmade.get()
+            try:
+                if not run.dropped:
+                    run.arrays  # noqa: B018 - made here, not on the engine thread
+            except Exception:  # noqa: BLE001 - a failed copy: a reader that needs it raises the error again
+                pass
+            finally:
+                self._unmade.task_done()
 
     def clear(self) -> None:
         """Drop every entry; the counters are kept."""
         with self._lock:
+            for node in self._nodes_all():
+                node.kv.dropped = True
             self._roots.clear()
             self._leaves.clear()
             self._bytes = 0
@@ -197,7 +287,7 @@ class HostTier:
         (what a shutdown writes to the disk tier)."""
         with self._lock:
             scopes = {id(root): scope for scope, root in self._roots.items()}
-            out = []
+            found = []
             for leaf in self._leaves:
                 scope = scopes[id(self._root_of(leaf))]
                 path, node = [], leaf
@@ -205,11 +295,13 @@ class HostTier:
                     path.append(node)
                     node = node.parent
                 path.reverse()
-                tokens = tuple(t for n in path for t in n.label)
-                layers = {k: {name: np.concatenate([n.kv[k][name] for n in path]) for name in entry}
-                          for k, entry in path[0].kv.items()}
-                out.append((scope, tokens, SlotSnapshot(start=0, end=len(tokens), layers=layers)))
-            return out
+                found.append((scope, tuple(t for n in path for t in n.label), [n.kv for n in path]))
+        out = []
+        for scope, tokens, runs in found:  # made outside the lock: runs whose copies have not landed wait
+            layers = {k: {name: np.concatenate([run.arrays[k][name] for run in runs]) for name in entry}
+                      for k, entry in runs[0].arrays.items()}
+            out.append((scope, tokens, SlotSnapshot(start=0, end=len(tokens), layers=layers)))
+        return out
 
     # ---- the tree (callers hold the lock) --------------------------------------------------------
     def _walk(self, scope: Hashable, key: Key) -> tuple[list[tuple[_Node, int]], int]:
@@ -229,6 +321,14 @@ class HostTier:
             node = child
         return path, i
 
+    def _nodes_all(self) -> list[_Node]:
+        out, stack = [], list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            out.extend(node.children.values())
+            stack.extend(node.children.values())
+        return out
+
     def _root_of(self, node: _Node) -> _Node:
         while node.parent is not None:
             node = node.parent
@@ -238,11 +338,15 @@ class HostTier:
         """Cut node's edge after `at` tokens (0 < at < len(label)); returns the new upper node."""
         parent = node.parent
         assert parent is not None
-        upper = _Node(node.label[:at], _slice(node.kv, 0, at), parent)
+        upper = _Node(node.label[:at], node.kv.part(0, at), parent)
         upper.last_used = node.last_used
-        lower_kv = _slice(node.kv, at, len(node.label))
-        self._bytes += upper.nbytes + _nbytes(lower_kv) - node.nbytes
-        node.label, node.kv, node.nbytes = node.label[at:], lower_kv, _nbytes(lower_kv)
+        lower_kv = node.kv.part(at, len(node.label))
+        node.kv.dropped = True
+        self._bytes += upper.nbytes + lower_kv.nbytes - node.nbytes
+        node.label, node.kv, node.nbytes = node.label[at:], lower_kv, lower_kv.nbytes
+        for part in (upper.kv, lower_kv):
+            if not part.ready:
+                self._make_later(part)
         parent.children[upper.label[0]] = upper
         upper.children[node.label[0]] = node
         node.parent = upper
@@ -269,6 +373,7 @@ class HostTier:
         del parent.children[leaf.label[0]]
         self._leaves.discard(leaf)
         leaf.parent = None
+        leaf.kv.dropped = True
         self._bytes -= leaf.nbytes
         self._nodes -= 1
         self._evictions += 1

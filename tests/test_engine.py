@@ -195,6 +195,8 @@ def test_save_restore_and_slot_copy_continue_bit_identically(setup):
     engine.prefill(0, prompt, 0)
     later = engine.save_slot(0, 0, len(prompt), wait=False)
     engine.prefill(0, follow, 0)
+    size = later.nbytes  # known from the cache's shapes before the arrays are made (the host tier counts it)
+    assert size == sum(a.nbytes for entry in later.layers.values() for a in entry.values()) > 0
     engine.restore_slot(1, later)
     assert np.array_equal(continuation(1), baseline)
     # Device copy of the whole prefix.

@@ -178,3 +178,86 @@ def test_concurrent_stats_reads() -> None:
         tier.insert(SCOPE, conv, positions_kv(conv, tier.match(SCOPE, conv)))
     stop.set()
     thread.join()
+
+
+class HeldCopy:
+    """A snapshot still to be made (as `Engine.save_slot(wait=False)` returns one), whose copy lands only
+    when ``release`` is called; counts how often, and on which threads, its arrays are made."""
+
+    def __init__(self, tokens, start: int = 0, held: bool = True) -> None:
+        self.made = positions_kv(tokens, start)
+        self.landed = threading.Event()
+        if not held:
+            self.landed.set()
+        self.threads: list[str] = []
+        self.snapshot = SlotSnapshot(start, len(tokens), pending=self._make, position_bytes=BYTES_PER_POSITION)
+
+    def _make(self):
+        self.threads.append(threading.current_thread().name)
+        assert self.landed.wait(10), "the test never released this copy"
+        return self.made.layers
+
+    def release(self) -> None:
+        self.landed.set()
+
+
+def test_a_run_whose_copy_has_not_landed_is_stored_and_served() -> None:
+    tier = HostTier(10_000)
+    system = tuple(range(100, 120))
+    a, b = system + (1, 2, 3), system + (7, 8)
+    held = HeldCopy(a)
+    assert tier.insert(SCOPE, a, held.snapshot) == 23  # returns before the copy lands
+    assert tier.bytes_used == 23 * BYTES_PER_POSITION  # counted from the shapes, not the arrays
+    assert tier.match(SCOPE, b) == 20
+    # a split of the run that has not landed: both parts are served from the one copy
+    assert tier.insert(SCOPE, b, positions_kv(b, 20)) == 2
+    held.release()
+    check_fetch(tier, a, 0, 23)
+    check_fetch(tier, b, 3, 22)
+    tier.settle()
+    assert len(held.threads) == 1  # the snapshot's arrays were made once
+    assert tier.bytes_used == 25 * BYTES_PER_POSITION
+
+
+def test_the_helper_thread_makes_runs_and_skips_dropped_ones() -> None:
+    tier = HostTier(12 * BYTES_PER_POSITION)
+    first, evicted, kept = HeldCopy((1,) * 10), HeldCopy((2,) * 10, held=False), HeldCopy((3,) * 10, held=False)
+    tier.insert(SCOPE, (1,) * 10, first.snapshot)  # the helper waits inside this copy
+    tier.insert(SCOPE, (2,) * 10, evicted.snapshot)  # evicts the first (least recently used)
+    tier.insert(SCOPE, (3,) * 10, kept.snapshot)  # evicts the second before the helper reached it
+    first.release()
+    tier._unmade.join()
+    assert evicted.threads == []  # dropped: its copy is never made
+    assert kept.threads == ["slotserve-kv-host"]
+    check_fetch(tier, (3,) * 10, 0, 10)
+    assert tier.match(SCOPE, (1,) * 10) == tier.match(SCOPE, (2,) * 10) == 0
+
+
+def test_copies_in_flight_are_bounded() -> None:
+    from scheduler.host_tier import COPIES_IN_FLIGHT
+
+    tier = HostTier(10**6)
+    blocker = HeldCopy((0,) * 4)
+    tier.insert(SCOPE, (0,) * 4, blocker.snapshot)
+    queued = [HeldCopy((i, 1, 2)) for i in range(1, COPIES_IN_FLIGHT + 1)]
+    for i, held in enumerate(queued, 1):
+        tier.insert(SCOPE, (i, 1, 2), held.snapshot)
+    over = HeldCopy((99, 1, 2), held=False)
+    tier.insert(SCOPE, (99, 1, 2), over.snapshot)
+    assert over.threads == [threading.current_thread().name]  # past the bound: made by the caller
+    for held in [blocker, *queued]:
+        held.release()
+    tier.settle()
+    check_fetch(tier, (99, 1, 2), 0, 3)
+    check_fetch(tier, (COPIES_IN_FLIGHT, 1, 2), 1, 3)
+
+
+def test_conversations_wait_for_copies_in_flight() -> None:
+    tier = HostTier(10_000)
+    conv = (5, 6, 7, 8)
+    held = HeldCopy(conv)
+    tier.insert(SCOPE, conv, held.snapshot)
+    threading.Timer(0.05, held.release).start()
+    [(scope, tokens, snap)] = tier.conversations()
+    assert (scope, tokens) == (SCOPE, conv)
+    assert np.array_equal(snap.layers["layer0"]["k"], positions_kv(conv).layers["layer0"]["k"])
