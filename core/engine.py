@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -29,7 +29,16 @@ from core.lora import LoraAdapter, adapted_projections, attach_slots, with_adapt
 from core.model import decode_step, decode_with_chunk, prefill_chunk, slot_batched_lora_exact, verify_chunk
 from core.program_store import ProgramStore, environment_fingerprint
 from core.programs import Program, ProgramKey, ProgramTable, abstract
-from core.sampling import MAX_LOGPROBS, SamplerState, SamplingParams, init_state, sample, set_slot
+from core.sampling import (
+    MAX_LOGPROBS,
+    SamplerState,
+    SamplingParams,
+    SlotRequest,
+    init_state,
+    sample,
+    set_slot,
+    set_slots,
+)
 from core.weights import all_matmuls_integer
 
 log = logging.getLogger(__name__)
@@ -701,7 +710,11 @@ class Engine:
         """Install a request's sampling parameters and seed in a slot (once per admission); with DRY on,
         dry_breakers lists its single-token sequence breakers; logprobs False: its samples carry no logprobs
         (`core.sampling.set_slot`)."""
-        self.sampler = set_slot(self.sampler, slot, params, prompt_ids, seed, dry_breakers, logprobs)
+        self.begin_requests([SlotRequest(slot, params, prompt_ids, seed, dry_breakers, logprobs)])
+
+    def begin_requests(self, requests: Sequence[SlotRequest]) -> None:
+        """`begin_request` for each of an iteration's admissions, in one program call (different slots)."""
+        self.sampler = set_slots(self.sampler, requests)
 
     def sample(self, logits: jax.Array, active: np.ndarray, steps: np.ndarray, mask: np.ndarray | None = None,
                needs_full: bool = True, dry_limits: np.ndarray | None = None) -> SampleResult:

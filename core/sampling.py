@@ -245,28 +245,62 @@ def _neutral_state(num_slots: int, vocab_size: int, history: int) -> SamplerStat
     )
 
 
+class SlotRequest(NamedTuple):
+    """What `set_slots` installs in one slot (the arguments of `set_slot`)."""
+
+    slot: int
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    seed: int
+    dry_breakers: np.ndarray | None = None
+    logprobs: bool = True
+
+
+class _SlotRows(NamedTuple):
+    """Host arrays of every slot's new row, [S, ...] each (rows of slots left as they are are ignored); the
+    vocabulary-wide flags go bit-packed (32 tokens a word), a twentieth of their bytes as bool."""
+
+    slots: np.ndarray  # [S] int32 the slot each row goes to; S = no row (dropped by the scatter)
+    floats: np.ndarray  # [S, 8] f32 temperature, top_p, min_p, penalties x3, DRY multiplier and base
+    ints: np.ndarray  # [S, 6] i32 top_k, DRY allowed, window, max_exp, length, logprobs
+    key: np.ndarray  # [S, 2] uint32
+    bias_ids: np.ndarray  # [S, MAX_LOGIT_BIAS] i32
+    bias_vals: np.ndarray  # [S, MAX_LOGIT_BIAS] f32
+    flags: np.ndarray  # [S, 2, ceil(V/32)] uint32 seen (prompt tokens), DRY breakers
+    history: np.ndarray  # [S, 2, H] i32 DRY history, DRY match
+
+
 @jax.jit
-def _write_slot(state: SamplerState, slot: jax.Array, floats: jax.Array, top_k: jax.Array,
-                key: jax.Array, seen: jax.Array, bias_ids: jax.Array, bias_vals: jax.Array,
-                dry_row: DryState, logprobs: jax.Array) -> SamplerState:
-    """One compiled update for every field of a slot (a traced slot index: no recompile per slot)."""
-    f = floats
-    dry_state = jax.tree_util.tree_map(lambda full, row: full.at[slot].set(row), state.dry, dry_row)
+def _write_slots(state: SamplerState, rows: _SlotRows) -> SamplerState:
+    """One compiled update of every field of the slots ``rows.slots`` names (traced: no recompile per slot
+    or per number of rows)."""
+    vocab = state.seen.shape[1]
+    at = rows.slots
+
+    def put(full: jax.Array, new: jax.Array) -> jax.Array:
+        return full.at[at].set(new.astype(full.dtype), mode="drop")
+
+    f, i = rows.floats, rows.ints
+    dry_state = DryState(multiplier=put(state.dry.multiplier, f[:, 6]), base=put(state.dry.base, f[:, 7]),
+                         allowed=put(state.dry.allowed, i[:, 1]), window=put(state.dry.window, i[:, 2]),
+                         max_exp=put(state.dry.max_exp, i[:, 3]), history=put(state.dry.history, rows.history[:, 0]),
+                         match=put(state.dry.match, rows.history[:, 1]), length=put(state.dry.length, i[:, 4]),
+                         breaker=put(state.dry.breaker, unpack_mask(rows.flags[:, 1], vocab)))
     return state._replace(
-        temperature=state.temperature.at[slot].set(f[0]),
-        top_p=state.top_p.at[slot].set(f[1]),
-        min_p=state.min_p.at[slot].set(f[2]),
-        repetition_penalty=state.repetition_penalty.at[slot].set(f[3]),
-        frequency_penalty=state.frequency_penalty.at[slot].set(f[4]),
-        presence_penalty=state.presence_penalty.at[slot].set(f[5]),
-        top_k=state.top_k.at[slot].set(top_k),
-        key=state.key.at[slot].set(key),
-        counts=state.counts.at[slot].set(0),
-        seen=state.seen.at[slot].set(seen),
-        bias_ids=state.bias_ids.at[slot].set(bias_ids),
-        bias_vals=state.bias_vals.at[slot].set(bias_vals),
+        temperature=put(state.temperature, f[:, 0]),
+        top_p=put(state.top_p, f[:, 1]),
+        min_p=put(state.min_p, f[:, 2]),
+        repetition_penalty=put(state.repetition_penalty, f[:, 3]),
+        frequency_penalty=put(state.frequency_penalty, f[:, 4]),
+        presence_penalty=put(state.presence_penalty, f[:, 5]),
+        top_k=put(state.top_k, i[:, 0]),
+        key=put(state.key, rows.key),
+        counts=put(state.counts, jnp.zeros((at.shape[0], vocab), jnp.int32)),
+        seen=put(state.seen, unpack_mask(rows.flags[:, 0], vocab)),
+        bias_ids=put(state.bias_ids, rows.bias_ids),
+        bias_vals=put(state.bias_vals, rows.bias_vals),
         dry=dry_state,
-        logprobs=state.logprobs.at[slot].set(logprobs),
+        logprobs=put(state.logprobs, i[:, 5] != 0),
     )
 
 
@@ -282,35 +316,69 @@ def set_slot(state: SamplerState, slot: int, params: SamplingParams, prompt_ids:
     dry_breakers: the ids of single-token sequence breakers (`core.dry.BreakerTable.single`), needed when
     params.dry is on; logprobs: whether `sample` reports the slot's logprobs (a server that will not show
     them passes False, so steps without such a row skip their normaliser). Returns the new state."""
+    return set_slots(state, [SlotRequest(slot, params, prompt_ids, seed, dry_breakers, logprobs)])
+
+
+def set_slots(state: SamplerState, requests: Sequence[SlotRequest]) -> SamplerState:
+    """`set_slot` for several slots in one program call (an iteration's admissions: each call moves its
+    arguments to the device one by one, ~8 ms a call on a TPU v5e's host). The slots must differ."""
     num_slots, vocab = state.counts.shape
-    if not _is_int(slot) or not 0 <= slot < num_slots:
-        raise ValueError(f"slot must be in [0, {num_slots}), got {slot!r}")
+    history = state.dry.history.shape[1]
+    words = -(-vocab // 32)
+    rows = _SlotRows(slots=np.full(num_slots, num_slots, np.int32), floats=np.zeros((num_slots, 8), np.float32),
+                     ints=np.zeros((num_slots, 6), np.int32), key=np.zeros((num_slots, 2), np.uint32),
+                     bias_ids=np.full((num_slots, MAX_LOGIT_BIAS), vocab, np.int32),
+                     bias_vals=np.zeros((num_slots, MAX_LOGIT_BIAS), np.float32),
+                     flags=np.zeros((num_slots, 2, words), np.uint32),
+                     history=np.zeros((num_slots, 2, history), np.int32))
+    if len(requests) > num_slots:
+        raise ValueError(f"{len(requests)} requests for {num_slots} slots")
+    for row, request in enumerate(requests):
+        slot = request.slot
+        if not _is_int(slot) or not 0 <= slot < num_slots:
+            raise ValueError(f"slot must be in [0, {num_slots}), got {slot!r}")
+        if slot in rows.slots[:row]:
+            raise ValueError(f"slot {slot} is given twice")
+        rows.slots[row] = slot
+        _fill_row(rows, row, request, vocab, history)
+    return _write_slots(state, rows)
+
+
+def _fill_row(rows: _SlotRows, row: int, request: SlotRequest, vocab: int, history: int) -> None:
+    """Validate one request and write its values into row ``row`` of ``rows``."""
+    params, seed = request.params, request.seed
     if not _is_int(seed) or not 0 <= seed < 2**64:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    ids = np.asarray(list(prompt_ids), dtype=np.int64).reshape(-1)
+    ids = np.asarray(list(request.prompt_ids), dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
-    seen = np.zeros(vocab, np.bool_)
-    seen[ids] = True
-    bias_ids = np.full(MAX_LOGIT_BIAS, vocab, np.int32)
-    bias_vals = np.zeros(MAX_LOGIT_BIAS, np.float32)
     for i, (tok, val) in enumerate(params.logit_bias):
         if tok >= vocab:
             raise ValueError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})")
-        bias_ids[i], bias_vals[i] = tok, val
-    floats = np.array([params.temperature, params.top_p, params.min_p, params.repetition_penalty,
-                       params.frequency_penalty, params.presence_penalty], np.float32)
+        rows.bias_ids[row, i], rows.bias_vals[row, i] = tok, val
+    d = _dry_row(history, params, ids, request.dry_breakers)
+    rows.floats[row] = [params.temperature, params.top_p, params.min_p, params.repetition_penalty,
+                        params.frequency_penalty, params.presence_penalty, d.multiplier, d.base]
     top_k = params.top_k if params.top_k < vocab else 0  # k >= V keeps everything
-    return _write_slot(state, np.int32(slot), floats, np.int32(top_k), seed_key_data(seed),
-                       seen, bias_ids, bias_vals, _dry_row(state.dry.history.shape[1], vocab, params, ids,
-                                                           dry_breakers), np.bool_(logprobs))
+    rows.ints[row] = [top_k, d.allowed, d.window, d.max_exp, d.length, bool(request.logprobs)]
+    rows.key[row] = seed_key_data(seed)
+    rows.flags[row, 0] = _pack_flags(ids, rows.flags.shape[2])
+    if params.dry:
+        rows.flags[row, 1] = _pack_flags(np.asarray(request.dry_breakers, np.int64), rows.flags.shape[2])
+    rows.history[row, 0], rows.history[row, 1] = d.history, d.match
 
 
-def _dry_row(history: int, vocab: int, params: SamplingParams, ids: np.ndarray,
-             breakers: np.ndarray | None) -> DryState:
-    """One slot's DryState row (host arrays) for a request with this prompt."""
+def _pack_flags(ids: np.ndarray, words: int) -> np.ndarray:
+    """uint32 [words]: bit j of word w set where token 32 * w + j is in ``ids`` (`unpack_mask`'s layout)."""
+    flags = np.zeros(words * 32, np.bool_)
+    flags[ids] = True
+    return np.packbits(flags.reshape(words, 32), axis=1, bitorder="little").view("<u4").reshape(words)
+
+
+def _dry_row(history: int, params: SamplingParams, ids: np.ndarray, breakers: np.ndarray | None) -> DryState:
+    """One slot's DryState row (host arrays) for a request with this prompt; its breakers are left to the
+    caller (``breaker`` None), which packs them."""
     tokens = np.zeros(history, np.int32)
-    breaker = np.zeros(vocab, np.bool_)
     on = params.dry
     if on:
         if breakers is None:
@@ -318,13 +386,12 @@ def _dry_row(history: int, vocab: int, params: SamplingParams, ids: np.ndarray,
         if ids.size > history:
             raise ValueError(f"the prompt ({ids.size} tokens) is longer than the DRY history ({history})")
         tokens[:ids.size] = ids
-        breaker[np.asarray(breakers, np.int64)] = True
     window = (history if params.dry_penalty_last_n < 0 else min(params.dry_penalty_last_n, history)) if on else 0
     match = dry.prompt_matches(ids.tolist(), window, history) if on else np.zeros(history, np.int32)
     return DryState(multiplier=np.float32(params.dry_multiplier), base=np.float32(params.dry_base),
                     allowed=np.int32(params.dry_allowed_length), window=np.int32(window),
                     max_exp=np.int32(dry.max_exponent(params.dry_base)), history=tokens, match=match,
-                    length=np.int32(ids.size if on else 0), breaker=breaker)
+                    length=np.int32(ids.size if on else 0), breaker=None)
 
 
 def unpack_mask(bits: jax.Array, vocab_size: int) -> jax.Array:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from core.engine import FOLLOWING, Engine, SampleResult
-from core.sampling import batch_needs_full
+from core.sampling import SlotRequest, batch_needs_full
 from scheduler.disk_tier import DiskTier
 from scheduler.grammar import fill_masks
 from scheduler.host_tier import HostTier
@@ -36,9 +36,10 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
             engine.restore_slot(op.slot, op.snapshot)
     for seq in plan.admitted:
         engine.use_adapter(seq.slot, seq.adapter_slot)
-        engine.begin_request(seq.slot, seq.request.sampling, list(seq.prompt), seq.seed,
-                             dry_breakers=seq.dry.table.single if seq.dry is not None else None,
-                             logprobs=seq.request.reports_logprobs)
+    if plan.admitted:
+        engine.begin_requests([SlotRequest(seq.slot, seq.request.sampling, seq.prompt, seq.seed,
+                                           seq.dry.table.single if seq.dry is not None else None,
+                                           seq.request.reports_logprobs) for seq in plan.admitted])
     if plan.rows:
         _prefill_rows(engine, plan, out)
     for chunk in plan.chunks:

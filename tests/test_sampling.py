@@ -535,3 +535,54 @@ def test_repetition_penalty_and_bias_equal_transformers_logits_processors():
         scores = SequenceBiasLogitsProcessor({(t,): b for t, b in bias})(ids, scores)
         want = torch.log_softmax(scores.double(), dim=-1)[0].numpy()
         np.testing.assert_allclose(got[row], want, rtol=0, atol=2e-5, err_msg=f"row {row}")
+
+
+def test_set_slots_installs_each_row_and_leaves_the_others() -> None:
+    """One program call installs an iteration's admissions: every field of the named slots as its request
+    says (vocabulary-wide flags packed on the host, unpacked on the device), the other slots untouched."""
+    from core import dry
+
+    history = 16
+    before = sampling.init_state(4, V, history=history)
+    before = before._replace(counts=jnp.ones_like(before.counts), temperature=jnp.full((4,), 0.5, jnp.float32))
+    dry_on = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2,
+                            presence_penalty=0.3, top_k=V + 5, logit_bias=((7, 2.0), (999, -1.0)),
+                            dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=3, dry_penalty_last_n=-1)
+    plain = SamplingParams(top_k=40)
+    prompt_a, prompt_b = [5, 6, 5, 6, 999], [0, 31, 32, 33, 64]
+    breakers = np.array([6, 998], np.int32)
+    state = sampling.set_slots(before, [
+        sampling.SlotRequest(3, dry_on, prompt_a, 2**40 + 3, breakers, logprobs=False),
+        sampling.SlotRequest(1, plain, prompt_b, 12),
+    ])
+    got = jax.tree_util.tree_map(np.asarray, state)
+    old = jax.tree_util.tree_map(np.asarray, before)
+    for untouched in (0, 2):
+        for name, a in zip(got._fields, got, strict=True):
+            if name != "dry":
+                assert np.array_equal(a[untouched], getattr(old, name)[untouched]), name
+    a, b = 3, 1
+    np.testing.assert_array_equal(got.temperature[[a, b]], np.float32([0.7, plain.temperature]))
+    np.testing.assert_array_equal(got.top_p[[a, b]], np.float32([0.9, plain.top_p]))
+    np.testing.assert_array_equal(got.min_p[a], np.float32(0.05))
+    np.testing.assert_array_equal(got.repetition_penalty[a], np.float32(1.1))
+    np.testing.assert_array_equal(got.frequency_penalty[a], np.float32(0.2))
+    np.testing.assert_array_equal(got.presence_penalty[a], np.float32(0.3))
+    assert got.top_k[a] == 0 and got.top_k[b] == 40  # k >= V keeps everything
+    assert got.key[a].tolist() == [2**40 + 3 >> 32, (2**40 + 3) & 0xFFFFFFFF] and got.key[b].tolist() == [0, 12]
+    assert not got.counts[[a, b]].any()
+    assert sorted(np.flatnonzero(got.seen[a])) == sorted(set(prompt_a))
+    assert sorted(np.flatnonzero(got.seen[b])) == sorted(prompt_b)  # bits at word edges (31, 32, 64)
+    assert got.bias_ids[a, :3].tolist() == [7, 999, V] and got.bias_vals[a, :2].tolist() == [2.0, -1.0]
+    assert got.bias_ids[b].tolist() == [V] * sampling.MAX_LOGIT_BIAS
+    assert got.logprobs[a] == 0 and got.logprobs[b] == 1
+    d = got.dry
+    np.testing.assert_array_equal(d.multiplier[[a, b]], np.float32([0.8, plain.dry_multiplier]))
+    np.testing.assert_array_equal(d.base[a], np.float32(1.75))
+    assert d.allowed[a] == 3 and d.window[a] == history and d.window[b] == 0
+    assert d.max_exp[a] == dry.max_exponent(1.75) and d.length[a] == len(prompt_a) and d.length[b] == 0
+    assert d.history[a].tolist() == prompt_a + [0] * (history - len(prompt_a))
+    assert d.match[a].tolist() == dry.prompt_matches(prompt_a, history, history).tolist()
+    assert np.flatnonzero(d.breaker[a]).tolist() == [6, 998] and not d.breaker[b].any()
+    with pytest.raises(ValueError, match="twice"):
+        sampling.set_slots(before, [sampling.SlotRequest(1, plain, [], 0), sampling.SlotRequest(1, plain, [], 1)])
