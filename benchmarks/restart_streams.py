@@ -57,9 +57,26 @@ def programs(url: str) -> dict[str, int]:
     return httpx.get(f"{url}/ready", timeout=10).json()["programs"]
 
 
-def wave(url: str, args: argparse.Namespace) -> dict[str, Any]:
+def scheduler_counters(url: str) -> dict[str, float]:
+    """The scheduler's counters from /metrics (`slotserve_scheduler_*`), by field name."""
+    prefix, out = "slotserve_scheduler_", {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix) and "_total " in line:
+            name, value = line.split(" ")
+            out[name[len(prefix):-len("_total")]] = float(value)
+    return out
+
+
+def wave(url: str, args: argparse.Namespace, counters: bool = True) -> dict[str, Any]:
+    """One wave; with ``counters``, what it moved the scheduler's counters by (decode and verify steps,
+    drafts accepted: whether the wave ran batched verify steps)."""
+    before = scheduler_counters(url) if counters else {}
     raw = wave_in_subprocess(url, args.agent, args.streams, args.max_tokens, args.timeout)
-    return summarize_wave(raw, args.streams, args.max_tokens)
+    result = summarize_wave(raw, args.streams, args.max_tokens)
+    if counters:
+        after = scheduler_counters(url)
+        result["scheduler_delta"] = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k)}
+    return result
 
 
 def start(cache: Path, args: argparse.Namespace, measure: bool) -> dict[str, Any]:
@@ -97,7 +114,7 @@ def llama_wave(args: argparse.Namespace) -> dict[str, Any]:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, log_path, "/health", 300, interval=0.2)
         wave_in_subprocess(url, "gemma", 1, 4, args.timeout)  # its first request's set-up, as ours had
-        result = wave(url, args)
+        result = wave(url, args, counters=False)
         result["command"] = cmd
         return result
 
