@@ -37,6 +37,11 @@ MIN_ROW_PREFILL_SHARE = 0.5
 # Step times are smoothed (exponential moving average, this weight on the newest) so one slow step (a GC
 # pause, a compile after start-up) does not flip the speculation decision.
 STEP_TIME_SMOOTHING = 0.2
+# A batched verify judged too dear is retried after this many decode steps without one: a single slow
+# measurement (a restarted server loading programs beside the first wave) would otherwise stand for good,
+# since only a verify step corrects it. The retry's time replaces the stale figure; at worst (verify never
+# pays) it costs ~one extra verify pass every this many steps.
+VERIFY_RETRY_STEPS = 32
 
 
 class StepTimes:
@@ -45,11 +50,22 @@ class StepTimes:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
+        self.decodes_since_verify = 0  # decode steps recorded since the last batched verify step
 
     def record(self, kind: str, seconds: float) -> None:
         last = self.seconds[kind]
+        if kind == "verify_rows":
+            if self.verify_stale():
+                last = None  # a retry: the stale figure is replaced, not averaged with
+            self.decodes_since_verify = 0
+        elif kind == "decode":
+            self.decodes_since_verify += 1
         self.seconds[kind] = seconds if last is None else (
             (1 - STEP_TIME_SMOOTHING) * last + STEP_TIME_SMOOTHING * seconds)
+
+    def verify_stale(self) -> bool:
+        """Whether the batched verify's time is old enough to measure again (see VERIFY_RETRY_STEPS)."""
+        return self.seconds["verify_rows"] is not None and self.decodes_since_verify >= VERIFY_RETRY_STEPS
 
     def rows_verify_cost(self) -> float:
         """A batched verify step's time over a decode step's: measured once both ran, else a prior (about 1.5
@@ -217,7 +233,8 @@ class Planner:
 
     def _speculate_rows(self, running: list[Sequence]) -> list[StepRow]:
         """A batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
-        when the drafts' expected accepted tokens per second beat a decode step's; []: decode as usual."""
+        when the drafts' expected accepted tokens per second beat a decode step's, or to measure the verify
+        step again once its figure is stale; []: decode as usual."""
         if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
             return []
         starts = [self.kv.held(seq) for seq in running]
@@ -227,7 +244,9 @@ class Planner:
                   for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
         expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
                        for seq, draft in zip(running, drafts, strict=True))
-        if expected <= len(running) * self.times.rows_verify_cost():
+        worth = expected > len(running) * self.times.rows_verify_cost()
+        retry = expected > len(running) and self.times.verify_stale()  # some draft, and an old figure
+        if not (worth or retry):
             return []
         return [StepRow(seq, [seq.generated[-1], *draft], start)
                 for seq, draft, start in zip(running, drafts, starts, strict=True)]

@@ -537,3 +537,41 @@ def test_a_dry_request_follows_its_definition_through_the_scheduler(engine, toke
         penalty = reference_penalties(history, VOCAB, 2.0, 1.5, 1, 40, table.heads()).astype(np.float32)
         assert int(np.argmax(logits - penalty)) == token
         history.append(token)
+
+
+def test_a_stale_verify_time_is_measured_again() -> None:
+    """One slow batched verify (a restarted server loading programs beside its first wave) must not stand for
+    good: after VERIFY_RETRY_STEPS decode steps without a verify its figure is stale, and the retry's time
+    replaces it instead of being averaged in."""
+    from scheduler.planner import VERIFY_RETRY_STEPS, StepTimes
+
+    times = StepTimes()
+    assert not times.verify_stale()  # never measured: the prior stands, nothing to retry
+    times.record("decode", 0.01)
+    times.record("verify_rows", 0.5)
+    for _ in range(VERIFY_RETRY_STEPS - 1):
+        times.record("decode", 0.01)
+        assert not times.verify_stale()
+    times.record("decode", 0.01)
+    assert times.verify_stale()
+    times.record("verify_rows", 0.015)
+    assert times.seconds["verify_rows"] == 0.015 and not times.verify_stale()
+    assert times.rows_verify_cost() == pytest.approx(1.5)
+    times.record("verify_rows", 0.025)  # fresh figures are smoothed as before
+    assert times.seconds["verify_rows"] == pytest.approx(0.8 * 0.015 + 0.2 * 0.025)
+
+
+def test_streams_verify_again_after_a_verify_time_that_went_stale(exact_engine, tokenizer):
+    """Repetitive greedy streams whose one measured batched verify looked 50x a decode step: after
+    VERIFY_RETRY_STEPS decode steps they verify in a batch again, whose measured time replaces the stale
+    figure, with the outputs of plain decoding."""
+    from scheduler.planner import VERIFY_RETRY_STEPS
+
+    reqs = [request(ids(60 + i, 6 + i) * 8, max_tokens=VERIFY_RETRY_STEPS + 24) for i in range(3)]
+    plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
+    sched = make(exact_engine, tokenizer, prefix_caching=False)
+    sched.times.seconds = {"decode": 0.01, "verify_rows": 0.5}  # as if both had been measured
+    got = run_all(sched, reqs)
+    assert [g[0] for g in got] == [p[0] for p in plain]
+    assert sched.stats.batched_speculative_steps >= 1
+    assert sched.times.rows_verify_cost() < 50  # measured afresh, not averaged with the stale 50x
