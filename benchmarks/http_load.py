@@ -98,8 +98,9 @@ def prompt_for(i: int) -> str:
     return PROMPTS[i % len(PROMPTS)].format(topic=TOPICS[i % len(TOPICS)]) + f" (session {i})"
 
 
-async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int, t0: float) -> dict[str, Any]:
-    body = {
+async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int, t0: float,
+                      salt: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt_for(i)}],
         "max_tokens": max_tokens,
@@ -109,6 +110,8 @@ async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if salt is not None:  # a cache scope of its own: nothing an earlier wave computed is reused
+        body["cache_salt"] = salt
     out: dict[str, Any] = {"session": i, "arrivals": [], "usage": None, "error": None}
     begin = time.perf_counter()
     out["start"] = begin - t0
@@ -134,7 +137,8 @@ async def one_session(client: Any, url: str, model: str, i: int, max_tokens: int
     return out
 
 
-async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: float) -> dict[str, Any]:
+async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: float,
+                   salt: str | None = None) -> dict[str, Any]:
     import httpx
 
     base_url, uds = split_address(base_url)
@@ -146,7 +150,7 @@ async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: 
         # and n connections open (a fresh process's first requests took ~0.1 s more on a TPU v5e's host).
         await asyncio.gather(*(client.get(base_url.rstrip("/") + "/health") for _ in range(n)))
         t0, cpu0 = time.perf_counter(), time.process_time()
-        sessions = await asyncio.gather(*(one_session(client, url, model, i, max_tokens, t0) for i in range(n)))
+        sessions = await asyncio.gather(*(one_session(client, url, model, i, max_tokens, t0, salt) for i in range(n)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     # perf_counter is the system's monotonic clock, shared with the server process: the server's timeline
     # is placed on the client's by this origin
@@ -154,14 +158,19 @@ async def run_wave(base_url: str, model: str, n: int, max_tokens: int, timeout: 
 
 
 def client_main(args: argparse.Namespace) -> int:
-    result = asyncio.run(run_wave(args.client_wave, args.model_name, args.n, args.max_tokens, args.timeout))
+    result = asyncio.run(run_wave(args.client_wave, args.model_name, args.n, args.max_tokens, args.timeout,
+                                  args.cache_salt))
     json.dump(result, sys.stdout)
     return 0
 
 
-def wave_in_subprocess(base_url: str, model: str, n: int, max_tokens: int, timeout: float) -> dict[str, Any]:
+def wave_in_subprocess(base_url: str, model: str, n: int, max_tokens: int, timeout: float,
+                       salt: str | None = None) -> dict[str, Any]:
+    """One wave from a client process of its own; ``salt``: its requests' cache_salt (None: none)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--client-wave", base_url, "--model-name", model,
            "--n", str(n), "--max-tokens", str(max_tokens), "--timeout", str(timeout)]
+    if salt is not None:
+        cmd += ["--cache-salt", salt]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 120, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"client wave failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
@@ -511,6 +520,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-wave", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-name", default="assistant", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--cache-salt", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
