@@ -516,7 +516,7 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     eng.warmup(background=True, first_runs=True)
     first = {key for key in eng.programs if eng._first_needed(key)}
     assert {("decode", 16), ("prefill", 4, 16), ("prefill_rows", 16), ("verify", 16)} <= first
-    assert ("sample", False, False) in first and not any(key[0].startswith("sample") and key[-1] for key in first)
+    assert {key for key in eng.programs if key[0].startswith("sample")} <= first  # the masked ones too
     assert all(eng.programs[key].calls == 1 for key in first)
     eng.programs.background.join(timeout=300)
     assert all(program.calls == 1 for program in eng.programs.values())
