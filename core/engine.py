@@ -36,7 +36,6 @@ from core.sampling import (
     SlotRequest,
     init_state,
     sample,
-    set_slot,
     set_slots,
 )
 from core.weights import all_matmuls_integer
@@ -424,7 +423,8 @@ class Engine:
         """Compile every step ahead (`ProgramTable.warmup`); with ``first_runs``, each program also runs once
         right after it is compiled (`first_run`), before ready or on the background thread, and so does the
         install of a request's sampling parameters. CPU only: the set-up is XLA:CPU's, and on an accelerator
-        a scratch KV cache would take a second cache's memory. Seconds spent before returning."""
+        a scratch KV cache would take a second cache's memory. The sampling-parameter install is compiled and
+        run either way. Seconds spent before returning."""
         first_runs = first_runs and jax.default_backend() == "cpu"
         self.programs.first_run = self.first_run if first_runs else None
         self._keep_scratch = True
@@ -433,12 +433,13 @@ class Engine:
         finally:
             with self._scratch_lock:
                 self._keep_scratch, self._scratch_cache = False, None
-        if first_runs:
-            begin = time.perf_counter()
-            zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract(self.sampler))
-            jax.block_until_ready(set_slot(zeros, 0, SamplingParams(), [], 0))
-            seconds += time.perf_counter() - begin
-        return seconds
+        # The install of sampling parameters has two shapes (one admission, or several): both are compiled
+        # and run once now, so that no request compiles one (on an accelerator too).
+        begin = time.perf_counter()
+        zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract(self.sampler))
+        for n in (1, self.num_slots):
+            jax.block_until_ready(set_slots(zeros, [SlotRequest(s, SamplingParams(), [], 0) for s in range(n)]))
+        return seconds + time.perf_counter() - begin
 
     def first_run(self, key: ProgramKey) -> None:
         """Run program ``key`` once on throwaway inputs: zeros everywhere (a scratch KV cache and sampler

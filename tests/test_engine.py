@@ -520,6 +520,15 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     assert all(eng.programs[key].calls == 1 for key in first)
     eng.programs.background.join(timeout=300)
     assert all(program.calls == 1 for program in eng.programs.values())
+    # Both shapes of the sampling-parameter install were compiled too: admitting one request or several
+    # compiles nothing.
+    from core import sampling
+    from core.sampling import SamplingParams
+
+    compiled = sampling._write_slots._cache_size()
+    eng.begin_request(1, SamplingParams(temperature=0.5), [3, 4], seed=1)
+    eng.begin_requests([sampling.SlotRequest(s, SamplingParams(), [5], s) for s in (0, 2)])
+    assert sampling._write_slots._cache_size() == compiled
     # Everything compiled before ready (a batch run): only the first requests' programs run ahead.
     batch = Engine(cfg, params, config, "float32")
     batch.warmup(first_runs=True)
