@@ -194,16 +194,19 @@ def build_model(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             "raw_config": raw, "seconds": time.perf_counter() - begin}
 
 
-def with_precision(model: dict[str, Any], precision: str) -> dict[str, Any]:
-    if precision == "float":
-        return model
-    if precision != "w8a8":
+def with_precision(model: dict[str, Any], precision: str, int4_ple: bool) -> dict[str, Any]:
+    """The model's weights in ``precision``, with Gemma 4's per-layer-embedding table as int4 if asked."""
+    if precision not in ("float", "w8a8"):
         raise SystemExit(f"unknown precision {precision!r}")
-    from core.weights import to_w8a8
+    from core.weights import to_int4_ple, to_w8a8
 
     begin = time.perf_counter()
-    return {**model, "params": to_w8a8(model["params"]), "source": model["source"] + ", W8A8",
-            "seconds": model["seconds"] + time.perf_counter() - begin}
+    params, source = model["params"], model["source"]
+    if precision == "w8a8":
+        params, source = to_w8a8(params), source + ", W8A8"
+    if int4_ple and "embed_per_layer" in params:
+        params, source = to_int4_ple(params), source + ", int4 per-layer embeddings"
+    return {**model, "params": params, "source": source, "seconds": model["seconds"] + time.perf_counter() - begin}
 
 
 # ---- measurements --------------------------------------------------------------------------------------
@@ -636,6 +639,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="speculative verify width (default: the engine's; 0 compiles no verify program)")
     p.add_argument("--fused-sampling", action="store_true",
                    help="sample inside the decode program (EngineConfig.fused_sampling) and time it against two calls")
+    p.add_argument("--int4-ple", action="store_true",
+                   help="Gemma 4's per-layer-embedding table as packed int4 (core.weights.to_int4_ple)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default: 16 on CPU, 100 otherwise)")
     p.add_argument("--warm-steps", type=int, default=2, help="untimed decode steps before each timing")
     p.add_argument("--prefill-chunks", type=int, default=None,
@@ -713,7 +718,9 @@ def main(argv: list[str] | None = None) -> int:
             if models[dtype]["raw_config"] is not None:
                 report["meta"]["config"] = models[dtype]["raw_config"]
         if (dtype, precision) not in models:
-            models[dtype, precision] = with_precision(models[dtype], precision)
+            models[dtype, precision] = with_precision(models[dtype], precision, args.int4_ple)
+            if len(args.precision) == 1 and models[dtype, precision]["params"] is not models[dtype]["params"]:
+                models[dtype]["params"] = None  # no other variant needs it; alive, it would count in the memory
         result: dict[str, Any] = {"dtype": dtype, "kv_dtype": kv_dtype or dtype, "precision": precision}
         report["runs"].append(result)
         engines.append(setup_variant(args, dtype, kv_dtype, models[dtype, precision], result))

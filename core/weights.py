@@ -196,6 +196,20 @@ def to_w8a8(params: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
+def to_int4_ple(params: dict[str, Any], rows_per_pass: int = 16384) -> dict[str, Any]:
+    """A parameter tree with its per-layer-embedding table (Gemma 4) as packed int4, as
+    load_params(..., WeightPolicy(int4_ple=True)) would place it; a tree without one is returned as it is.
+    The table is read off the device ``rows_per_pass`` rows at a time, so the host never holds it in float32
+    (E2B's is 262144 x 8960)."""
+    table = params.get("embed_per_layer")
+    if table is None or isinstance(table, dict):
+        return params
+    parts = [quantize_rows_int4(np.asarray(table[start:start + rows_per_pass], dtype=np.float32))
+             for start in range(0, table.shape[0], rows_per_pass)]
+    packed = {key: jax.device_put(np.concatenate([part[key] for part in parts])) for key in ("q4", "s")}
+    return {**params, "embed_per_layer": packed}
+
+
 def all_matmuls_integer(params: dict[str, Any]) -> bool:
     """Whether every matrix the model multiplies by is W8A8 storage: int8 x int8 -> int32 products are exact,
     so a row's result does not depend on how many rows share the matmul (float GEMMs may block, and so round,

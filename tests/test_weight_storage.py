@@ -11,7 +11,7 @@ import numpy as np
 from core.config import expected_tensor_shapes
 from core.kv_cache import CacheSpec, init_cache
 from core.model import embedding_rows, sequence_logits
-from core.weights import WeightPolicy, load_params, quantize_rows_int4, quantize_rows_int8
+from core.weights import WeightPolicy, load_params, quantize_rows_int4, quantize_rows_int8, to_int4_ple
 from tiny_models import model_config
 
 
@@ -101,3 +101,16 @@ def test_int4_ple_table_computes_exactly_what_its_dequantized_table_computes():
     quantized = load_params(source, cfg, WeightPolicy(int4_ple=True))
     assert quantized["embed_per_layer"]["q4"].dtype == jnp.uint8
     np.testing.assert_allclose(logits_for(cfg, quantized, ids), expected, atol=1e-4, rtol=0)
+
+
+def test_int4_ple_of_a_loaded_tree_equals_loading_with_the_policy():
+    """to_int4_ple converts the table a few rows at a time; the result must be what load_params places."""
+    cfg = model_config("gemma4")
+    source = ArraySource(cfg)
+    converted = to_int4_ple(load_params(source, cfg), rows_per_pass=7)  # a pass size that leaves a remainder
+    loaded = load_params(source, cfg, WeightPolicy(int4_ple=True))
+    for key in ("q4", "s"):
+        np.testing.assert_array_equal(np.asarray(converted["embed_per_layer"][key]),
+                                      np.asarray(loaded["embed_per_layer"][key]))
+    gemma3 = load_params(ArraySource(model_config("gemma3")), model_config("gemma3"))
+    assert to_int4_ple(gemma3) is gemma3  # no per-layer table: nothing to convert
