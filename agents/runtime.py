@@ -74,6 +74,7 @@ class RuntimeOptions:
     # LoRA adapter slots compiled into every step (0: no adapter path) and the largest rank they hold.
     adapter_slots: int = EngineConfig.adapter_slots
     adapter_rank: int = EngineConfig.adapter_rank
+    adapter_dtype: str | None = EngineConfig.adapter_dtype  # None: the compute dtype
     grammar_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout_s: float = COMPILE_TIMEOUT_S
     max_schema_bytes: int = MAX_SCHEMA_BYTES
@@ -237,7 +238,7 @@ def engine_config(options: RuntimeOptions, kv_dtype: str | None, overlap: bool) 
                         kv_dtype=kv_dtype, rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
                         chunk_in_decode=options.chunk_in_decode, fused_sampling=overlap,
                         transfer_sizes=choose_transfer_sizes(), adapter_slots=options.adapter_slots,
-                        adapter_rank=options.adapter_rank)
+                        adapter_rank=options.adapter_rank, adapter_dtype=options.adapter_dtype)
 
 
 def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> Runtime:

@@ -470,6 +470,8 @@ def setup_variant(args: argparse.Namespace, dtype: str, kv_dtype: str | None, mo
                    "kv_read_bytes_per_decode_step": decode_kv_read_bytes(engine),
                    "bytes_per_decode_step": streamed_param_bytes(params) + decode_kv_read_bytes(engine),
                    "memory_before_warmup": memory_snapshot()})
+    log(f"{label}: parameters {result['param_bytes']} B, KV {kv_total} B, before warm-up "
+        f"{json.dumps(result['memory_before_warmup'])}")  # in the log too: a big model may not finish compiling
 
     def progress(name: str, done: int, total: int) -> None:
         if done < total:

@@ -53,8 +53,12 @@ def random_adapter(cfg: Any, seed: int) -> Any:
     return LoraAdapter(Path(f"random-{seed}"), RANK, 2.0, pairs)
 
 
+SLOT_ENGINES = {"slots": None, "slots-bfloat16": "bfloat16"}  # engine name -> EngineConfig.adapter_dtype
+
+
 def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """The model, and engines: "plain" (no adapter slots) and "slots" (8 slots of rank 16)."""
+    """The model, and engines: "plain" (no adapter slots), "slots" (8 slots of rank 16 in the compute dtype)
+    and "slots-bfloat16" (the same in bfloat16, `EngineConfig.adapter_dtype`)."""
     from core.device import choose_kv_dtype
     from core.engine import Engine, EngineConfig
     from core.runtime import load_model
@@ -64,8 +68,9 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     config = dict(num_slots=8, max_len=args.max_len, chunk_sizes=(args.chunk,), kv_dtype=kv_dtype,
                   attention_buckets=(), verify_width=0)
     engines = {"plain": Engine(model.cfg, model.params, EngineConfig(**config), model.dtype),
-               "slots": Engine(model.cfg, model.params, EngineConfig(**config, adapter_slots=8, adapter_rank=RANK),
-                               model.dtype)}
+               **{name: Engine(model.cfg, model.params,
+                               EngineConfig(**config, adapter_slots=8, adapter_rank=RANK, adapter_dtype=dtype),
+                               model.dtype) for name, dtype in SLOT_ENGINES.items()}}
     for engine in engines.values():
         engine.warmup()
     return model, engines
@@ -185,8 +190,11 @@ def main() -> None:
         begin = time.perf_counter()
         slots.load_adapter(index, adapter)
         load_s.append(time.perf_counter() - begin)
+        engines["slots-bfloat16"].load_adapter(index, adapter)
     cases = {"no adapter slots": ("plain", [NO_ADAPTER] * 8), "slots, no row adapted": ("slots", [NO_ADAPTER] * 8),
-             "8 rows, 8 adapters": ("slots", list(range(8))), "8 rows, 1 shared adapter": ("slots", [0] * 8)}
+             "8 rows, 8 adapters": ("slots", list(range(8))), "8 rows, 1 shared adapter": ("slots", [0] * 8),
+             "bfloat16 slots, 8 rows, 8 adapters": ("slots-bfloat16", list(range(8))),
+             "bfloat16 slots, 8 rows, 1 shared adapter": ("slots-bfloat16", [0] * 8)}
     decode: dict[str, list[float]] = {name: [] for name in cases}
     prefill: dict[str, list[float]] = {name: [] for name in cases}
     for r in range(args.rounds):
@@ -208,10 +216,12 @@ def main() -> None:
         "precision": model.precision, "dtype": model.dtype, "kv_dtype": slots.spec.dtype, "rank": RANK,
         "adapter_slots": 8, "targets": "q,k,v,o,gate,up,down on every layer",
         "adapter_bytes_per_slot": slots.adapter_bytes_per_slot,
+        "adapter_bytes_per_slot_bfloat16": engines["slots-bfloat16"].adapter_bytes_per_slot,
         "load_adapter_ms": dist_ms(load_s),
         "decode_step_ms": {name: dist_ms([w / 1e3 for w in walls]) for name, walls in decode.items()},
         "decode_ratio_p50": {name: round(statistics.median(w) / base_decode, 3) for name, w in decode.items()},
-        "decode_form_8_adapters": "slot-batched" if slots.slot_batched_lora is not None else "per-slot pairs",
+        "decode_form_8_adapters": {name: engines[name].slot_batched_lora[0] if engines[name].slot_batched_lora
+                                   else "per-slot pairs" for name in SLOT_ENGINES},
         "read_floor": {"adapter_bytes_8_slots": adapter_bytes, "read_gb_s": round(bandwidth, 1),
                        "read_ms": round(adapter_bytes / bandwidth / 1e6, 2),
                        "decode_ratio_bound": round(1 + adapter_bytes / bandwidth / 1e6 / base_decode, 3),

@@ -26,7 +26,7 @@ import numpy as np
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
 from core.lora import LoraAdapter, adapted_projections, attach_slots, with_adapter
-from core.model import decode_step, decode_with_chunk, prefill_chunk, slot_batched_lora_exact, verify_chunk
+from core.model import decode_step, decode_with_chunk, prefill_chunk, slot_batched_lora_form, verify_chunk
 from core.program_store import ProgramStore, environment_fingerprint
 from core.programs import Program, ProgramKey, ProgramTable, abstract
 from core.sampling import (
@@ -47,6 +47,7 @@ OPTIONAL_KINDS = ("verify", "verify_rows", "prefill_rows", "decode_sample", "dec
 # The width of a batched verify pass when one is asked for: the last token plus two drafts per slot.
 ROWS_VERIFY_WIDTH = 3
 NO_ADAPTER = -1  # a KV slot whose rows get no LoRA terms
+ADAPTER_DTYPES = (None, "float32", "bfloat16")  # EngineConfig.adapter_dtype (None: the compute dtype)
 FOLLOWING = -1  # a decode input token meaning "the token the previous step sampled for this slot"
 PACKED_WIDTH = 2 + 2 * MAX_LOGPROBS  # a sampler program's packed result per row (`_packed_sample`)
 
@@ -92,16 +93,22 @@ class EngineConfig:
     # none, and loading an adapter writes into a slot (no program changes). 0: no adapter path at all.
     adapter_slots: int = 0
     adapter_rank: int = 16  # every slot holds an adapter of up to this rank (smaller ones are zero-padded)
-    # A decode step whose rows use more adapter slots than this computes their products batched over all slots
-    # (where the host rounds that as the per-slot pairs, `core.model.lora_delta`): on the default model per-slot
-    # pairs add ~4.5 ms per slot in use to a step, the batched form ~30 ms whatever the mix (docs/lora.md).
-    slot_batched_lora_over: int = 4
+    # What the slots store and multiply in: None, the compute dtype; "bfloat16", half the bytes a step under
+    # many adapters must read, the adapter products' inputs rounded to bfloat16 (accumulated in float32).
+    adapter_dtype: str | None = None
+    # A decode step whose rows use more adapter slots than this computes every slot's products at once (where the
+    # host rounds that as the per-slot pairs, `core.model.lora_delta`): on the default model (Zen 4) per-slot pairs
+    # cost ~8 ms for one slot in use and ~27 ms for eight, the wide form ~9.5 ms (float32) or ~6.5 ms (bfloat16
+    # slots) whatever the mix (docs/lora.md).
+    slot_batched_lora_over: int = 1
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.max_len < 1:
             raise ValueError("num_slots and max_len must be positive")
         if self.adapter_slots < 0 or self.adapter_rank < 1:
             raise ValueError("adapter_slots must be >= 0 and adapter_rank positive")
+        if self.adapter_dtype not in ADAPTER_DTYPES:
+            raise ValueError(f"adapter_dtype must be one of {ADAPTER_DTYPES}, not {self.adapter_dtype!r}")
         if not self.chunk_sizes or sorted(set(self.chunk_sizes)) != list(self.chunk_sizes):
             raise ValueError("chunk_sizes must be a non-empty strictly increasing tuple")
         buckets = self.attention_buckets
@@ -222,7 +229,7 @@ class Engine:
         self.program_store = program_store
         if config.adapter_slots:
             params = attach_slots(params, [None] * config.adapter_slots, cfg, config.adapter_rank,
-                                  every_projection=True)
+                                  every_projection=True, dtype=config.adapter_dtype)
         self.params = params
         self.config = config
         self.dtype = dtype
@@ -234,10 +241,10 @@ class Engine:
         self.chunk_in_decode = config.chunk_in_decode and self.rows_exact
         # A decode step of rows under many adapters batches their products over the slots, where that rounds as
         # the per-slot pairs do on this host (`core.model.lora_delta`); the probe runs once per process and shapes.
-        exact = bool(config.adapter_slots) and slot_batched_lora_exact(
+        form = slot_batched_lora_form(
             tuple(sorted(set(adapted_projections(cfg).values()))), config.num_slots, config.adapter_slots,
-            config.adapter_rank)
-        self.slot_batched_lora = config.slot_batched_lora_over if exact else None
+            config.adapter_rank, str(self.adapter_dtype)) if config.adapter_slots else None
+        self.slot_batched_lora = (form, config.slot_batched_lora_over) if form else None
         self.slot_adapters = np.full(config.num_slots, NO_ADAPTER, np.int32)  # each KV slot's adapter slot
         self.loaded_adapters: list[str | None] = [None] * config.adapter_slots  # each adapter slot's fingerprint
         self.cache = init_cache(cfg, self.spec)
@@ -280,7 +287,8 @@ class Engine:
         if self._kv_identity is None:
             weights = self.weights_identity or _params_digest(self.params)
             text = json.dumps({"model": repr(self.cfg), "weights": weights, "dtype": self.dtype,
-                               "kv": [self.spec.dtype, self.spec.max_len], "env": environment_fingerprint()})
+                               "adapters": str(self.adapter_dtype), "kv": [self.spec.dtype, self.spec.max_len],
+                               "env": environment_fingerprint()})
             self._kv_identity = hashlib.sha256(text.encode()).hexdigest()
         return self._kv_identity
 
@@ -300,6 +308,12 @@ class Engine:
         if not (index == NO_ADAPTER or 0 <= index < self.config.adapter_slots):
             raise ValueError(f"adapter slot {index} out of range (this engine has {self.config.adapter_slots})")
         self.slot_adapters[slot] = index
+
+    @property
+    def adapter_dtype(self) -> Any:
+        """The dtype the adapter slots store and multiply in (None without slots)."""
+        layers = [lp["lora"] for lp in self.params["layers"] if lp.get("lora")]
+        return next(iter(layers[0].values()))[0].dtype if layers else None
 
     @property
     def adapter_bytes_per_slot(self) -> int:
@@ -796,14 +810,15 @@ def _prefill_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, att
                          view_width=view_width, adapters=ints[2])
 
 
-def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int, slot_batched_lora: int | None):
+def _decode_step(params, cache, packed, *, cfg, view_width: int, attend: int,
+                 slot_batched_lora: tuple[str, int] | None):
     tokens, positions, active, adapters = packed[0], packed[1], packed[2], packed[3]
     return decode_step(params, cache, tokens, positions, active, cfg=cfg, attend=attend, view_width=view_width,
                        adapters=adapters, slot_batched_lora=slot_batched_lora)
 
 
 def _decode_chunk_step(params, cache, packed, tokens, ints, *, cfg, view_width: int, attend: int,
-                       slot_batched_lora: int | None):
+                       slot_batched_lora: tuple[str, int] | None):
     logits, chunk_logits, cache = decode_with_chunk(
         params, cache, packed[0], packed[1], packed[2], tokens, ints[0:1], ints[1:2], ints[2:3], cfg=cfg,
         attend=attend, view_width=view_width, adapters=packed[3], chunk_adapter=ints[3:4],
@@ -831,7 +846,7 @@ def _fused_kind(needs_full: bool) -> str:
 
 
 def _decode_sample_step(params, cache, packed, previous, sampler: SamplerState, steps, limits, *, cfg,
-                        view_width: int, attend: int, needs_full: bool, slot_batched_lora: int | None):
+                        view_width: int, attend: int, needs_full: bool, slot_batched_lora: tuple[str, int] | None):
     # A slot marked FOLLOWING takes the token the previous step sampled for it (previous [S, PACKED_WIDTH]).
     packed = packed.at[0].set(jnp.where(packed[0] == FOLLOWING, previous[:, 0], packed[0]))
     logits, cache = _decode_step(params, cache, packed, cfg=cfg, view_width=view_width, attend=attend,

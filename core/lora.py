@@ -190,18 +190,20 @@ def _check_half(array: np.ndarray, half: str, weight_shape: tuple[int, ...], ran
 # ---- batched application: every row its own adapter slot, static shapes ----------------------------------------
 #
 # The adapters of S slots, each zero-padded to the maximum rank R, are stacked per projection into `down`
-# [S, R, in] (the A matrices) and `up` [S, out, R] (the B matrices, scale folded in). Each batch row names its
-# slot (-1: none); `core.model.lora_delta` applies each slot in use to the call's tokens and keeps each token's
-# own, so a row's terms do not depend on the other rows of its batch or on how many tokens share its call.
+# [in, S, R] (the A matrices, transposed) and `up` [S, R, out] (the B matrices transposed, scale folded in):
+# the contracted dimension first, as the products read them, and every slot's columns side by side, so that
+# all slots' A form one [in, S*R] matrix and all B one [S*R, out] without a copy. Each batch row names its slot
+# (-1: none); `core.model.lora_delta` applies each slot in use to the call's tokens and keeps each token's own,
+# so a row's terms do not depend on the other rows of its batch or on how many tokens share its call.
 
 
 def pack_slots(adapters: list[LoraAdapter | None], layer: int, target: str, in_dim: int, out_dim: int,
                max_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """(down [S, R, in], up [S, out, R]) float32 for projection ``target`` of ``layer``: slot s holds adapter s's
-    pair (scale folded into up), zero-padded to ``max_rank``; a slot with no adapter, or whose adapter leaves
+    """(down [in, S, R], up [S, R, out]) float32 for projection ``target`` of ``layer``: slot s holds adapter
+    s's pair (scale folded into up), zero-padded to ``max_rank``; a slot with no adapter, or whose adapter leaves
     this projection alone, is zeros."""
-    down = np.zeros((len(adapters), max_rank, in_dim), np.float32)
-    up = np.zeros((len(adapters), out_dim, max_rank), np.float32)
+    down = np.zeros((in_dim, len(adapters), max_rank), np.float32)
+    up = np.zeros((len(adapters), max_rank, out_dim), np.float32)
     for s, adapter in enumerate(adapters):
         pair = None if adapter is None else adapter.pairs.get((layer, target))
         if pair is not None:
@@ -212,12 +214,12 @@ def pack_slots(adapters: list[LoraAdapter | None], layer: int, target: str, in_d
 def write_pair(down: np.ndarray, up: np.ndarray, slot: int, scale: float, a: np.ndarray | None,
                b: np.ndarray | None) -> None:
     """Put one adapter's pair (A [r, in], B [out, r]; None: zeros) into slot ``slot`` of stacked arrays."""
-    down[slot] = 0
+    down[:, slot] = 0
     up[slot] = 0
     if a is not None and b is not None:
         rank = a.shape[0]
-        down[slot, :rank] = a
-        up[slot, :, :rank] = scale * b
+        down[:, slot, :rank] = a.T
+        up[slot, :rank] = scale * b.T
 
 
 def adapted_projections(cfg: ModelConfig) -> dict[tuple[int, str], tuple[int, int]]:
@@ -237,13 +239,13 @@ def adapted_projections(cfg: ModelConfig) -> dict[tuple[int, str], tuple[int, in
 
 
 def attach_slots(params: dict[str, Any], adapters: list[LoraAdapter | None], cfg: ModelConfig, max_rank: int,
-                 every_projection: bool = False) -> dict[str, Any]:
-    """A copy of ``params`` whose layers carry "lora": {target: (down, up)} slots (`pack_slots`) in the compute
-    dtype: for every projection some adapter adapts, or (``every_projection``) for all of them, so that any
-    adapter can be written into a slot later without changing a shape."""
+                 every_projection: bool = False, dtype: str | None = None) -> dict[str, Any]:
+    """A copy of ``params`` whose layers carry "lora": {target: (down, up)} slots (`pack_slots`) in ``dtype``
+    (None: the compute dtype): for every projection some adapter adapts, or (``every_projection``) for all of
+    them, so that any adapter can be written into a slot later without changing a shape."""
     import jax.numpy as jnp
 
-    dtype = params["final_norm"].dtype
+    dtype = dtype or params["final_norm"].dtype
     adapted = {key for adapter in adapters if adapter is not None for key in adapter.pairs}
     projections = adapted_projections(cfg)
     layers = []

@@ -286,68 +286,106 @@ def cache_view(entry: dict[str, jax.Array], rows: jax.Array | None, ends: jax.Ar
     return {name: arr[slot, index] for name, arr in entry.items()}, key_pos
 
 
-def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array, *,
-               slot_batched_over: int | None = None) -> jax.Array:
-    """What each row's LoRA adapter adds to a projection of x [B, T, in] -> [B, T, out]: down [S, R, in] holds
-    the slots' A matrices, up [S, out, R] their scaled B matrices (`core.lora.pack_slots`), rows [B] int32 each
-    row's slot (-1: none; the caller keeps such rows as they were). A token's terms are always one `linear` pair
-    with its own slot's matrices: over the one row's tokens in a single-row call, over all the call's tokens per
-    slot some row uses otherwise (each token keeping its own slot's). The pairs differ between calls only in
-    their row count, which changes no row's bits (tests/test_exactness.py), so a row's terms do not depend on
-    the other rows' adapters, on how its prompt was chunked, or on decode vs prefill (docs/lora.md).
+def times(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [n, k] @ w [k, m] -> float32: the adapter products, x first cast to w's dtype (bfloat16 slots multiply
+    bfloat16 inputs, accumulated in float32). Their weights are stored contracted dimension first, so the library
+    reads them as they lie (the [out, in] layout of `linear` costs a copy per call at these shapes). Fewer than
+    MIN_MATMUL_ROWS rows are padded to that many, as in `linear`, so a row's bits do not depend on the row
+    count."""
+    rows = x.shape[0]
+    if rows < MIN_MATMUL_ROWS:
+        return times(jnp.zeros((MIN_MATMUL_ROWS, x.shape[1]), x.dtype).at[:rows].set(x), w)[:rows]
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
-    slot_batched_over: a call of one token per row whose rows use more slots than this computes every slot's
-    pair over all rows as one batched product (`slot_batched_terms`), which costs the same for any mix (None:
-    never). Only where that gives the pairs' bits: `slot_batched_lora_exact` asks the host at start-up."""
+
+def slot_pair(x: jax.Array, down: jax.Array, up: jax.Array, slot: int | jax.Array) -> jax.Array:
+    """x [n, in] -> [n, out] through one adapter slot's pair: x @ A^T, then @ (scale B)^T (`core.lora.pack_slots`
+    layouts: down [in, S, R], up [S, R, out]); ``slot`` may be traced."""
+    a = jax.lax.dynamic_index_in_dim(down, slot, axis=1, keepdims=False)  # [in, R]
+    b = jax.lax.dynamic_index_in_dim(up, slot, axis=0, keepdims=False)  # [R, out]
+    return times(times(x, a), b)
+
+
+def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array, *,
+               slot_batched: tuple[str, int] | None = None) -> jax.Array:
+    """What each row's LoRA adapter adds to a projection of x [B, T, in] -> [B, T, out] float32: down [in, S, R]
+    holds the slots' A matrices transposed, up [S, R, out] their scaled B matrices transposed
+    (`core.lora.pack_slots`), rows [B] int32 each row's slot (-1: none; the caller keeps such rows as they were).
+    A token's terms are always one `slot_pair` with its own slot's matrices: over the one row's tokens in a
+    single-row call, over all the call's tokens per slot some row uses otherwise (each token keeping its own
+    slot's). The pairs differ between calls only in their row count, which changes no row's bits
+    (tests/test_exactness.py), so a row's terms do not depend on the other rows' adapters, on how its prompt was
+    chunked, or on decode vs prefill (docs/lora.md).
+
+    slot_batched: (form, over): a call of one token per row whose rows use more slots than ``over`` computes
+    every slot's terms for all rows at once in that form of SLOT_BATCHED_FORMS, which costs the same for any mix
+    (None: never). Only a form that gives the pairs' bits: `slot_batched_lora_form` asks the host at start-up."""
     b, t, _ = x.shape
     if b == 1:  # one slot's tokens (a prefill chunk, a lone verify pass): its own matrices
-        slot = jnp.maximum(rows[0], 0)
-        return linear(linear(x[0], down[slot]), up[slot])[None]
+        return slot_pair(x[0], down, up, jnp.maximum(rows[0], 0))[None]
     flat, owner = x.reshape(b * t, -1), jnp.repeat(rows, t)
-    if slot_batched_over is None or t != 1:
+    if slot_batched is None or t != 1:
         return per_slot_terms(flat, owner, down, up).reshape(b, t, -1)
-    in_use = jnp.sum(jnp.any(rows[None, :] == jnp.arange(down.shape[0])[:, None], axis=1))
-    return jax.lax.cond(in_use <= slot_batched_over, per_slot_terms, slot_batched_terms, flat, owner, down,
+    form, over = slot_batched
+    in_use = jnp.sum(jnp.any(rows[None, :] == jnp.arange(up.shape[0])[:, None], axis=1))
+    return jax.lax.cond(in_use <= over, per_slot_terms, SLOT_BATCHED_FORMS[form], flat, owner, down,
                         up).reshape(b, t, -1)
 
 
 def per_slot_terms(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-    """x [N, in] -> [N, out]: each slot some token uses (owner [N]) as one `linear` pair over all N tokens
+    """x [N, in] -> [N, out]: each slot some token uses (owner [N]) as one `slot_pair` over all N tokens
     (skipped by lax.cond for a slot none uses), each token keeping its own slot's terms."""
-    zeros = total = jnp.zeros((x.shape[0], up.shape[1]), up.dtype)
-    for slot in range(down.shape[0]):
-        part = jax.lax.cond(jnp.any(owner == slot), lambda k=slot: linear(linear(x, down[k]), up[k]), lambda: zeros)
+    zeros = total = jnp.zeros((x.shape[0], up.shape[2]), jnp.float32)
+    for slot in range(up.shape[0]):
+        part = jax.lax.cond(jnp.any(owner == slot), lambda k=slot: slot_pair(x, down, up, k), lambda: zeros)
         total = jnp.where((owner == slot)[:, None], part, total)
     return total
 
 
-def slot_batched_terms(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-    """`per_slot_terms` as two products batched over every slot ([S, N, R] then [S, N, out]), each token's
-    own slot's row kept: what a pair per slot computes where this host's batched products round as its
-    two-dimensional ones do."""
-    terms = jnp.einsum("snr,sor->sno", jnp.einsum("ni,sri->snr", x, down), up)
-    return jnp.take_along_axis(terms, jnp.maximum(owner, 0)[None, :, None], axis=0)[0]
+def wide_slot_terms(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
+    """`per_slot_terms` in two wide products: x against every slot's A at once ([N, S*R]), each token's columns
+    of other slots zeroed, then against every slot's B ([S*R, out]; the zeros add nothing). It reads every
+    slot's matrices once, whatever the mix, in two library products per projection; a token's terms are its
+    pair's where this host's products keep a column's bits whatever the product's width and the zero terms
+    beside its own."""
+    d_in, slots, rank = down.shape
+    h = times(x, down.reshape(d_in, slots * rank)).reshape(-1, slots, rank)
+    own = (jnp.arange(slots)[None, :] == owner[:, None])[:, :, None]
+    return times(jnp.where(own, h, 0.0).reshape(-1, slots * rank), up.reshape(slots * rank, -1))
+
+
+SLOT_BATCHED_FORMS = {"wide": wide_slot_terms}  # in order of preference
 
 
 @functools.cache
-def slot_batched_lora_exact(shapes: tuple[tuple[int, int], ...], rows: int, slots: int, rank: int) -> bool:
-    """Whether `slot_batched_terms` gives `per_slot_terms`' bits on this host for projections of these
-    (in, out) shapes, `rows` one-token rows each under its own slot (cycling through `slots` of rank `rank`).
-    Whether XLA's batched product rounds as its two-dimensional one depends on the CPU and the row count (equal
-    up to 16 rows on an AMX Xeon, not at 24), so each engine asks at start-up (once per process and shapes);
-    random values, each shape once."""
+def slot_form_exact(form: str, shapes: tuple[tuple[int, int], ...], rows: int, slots: int, rank: int,
+                    dtype: str = "float32") -> bool:
+    """Whether SLOT_BATCHED_FORMS[form] gives `per_slot_terms`' bits on this host for projections of these
+    (in, out) shapes, `rows` one-token rows each under its own slot (cycling through `slots` of rank `rank`,
+    stored in `dtype`). Whether a library product keeps a row's or a column's bits as the product's shape
+    changes depends on the CPU's kernels (and differs between float32 and bfloat16 ones), so each engine asks
+    at start-up, once per process and shapes; random values, each shape once."""
     rng = np.random.default_rng(0)
     owner = jnp.arange(rows, dtype=jnp.int32) % slots
-    cases = [tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
-                   for shape in ((rows, d_in), (slots, rank, d_in), (slots, d_out, rank)))
+    cases = [tuple(jnp.asarray(rng.standard_normal(shape), kind)
+                   for shape, kind in (((rows, d_in), jnp.float32), ((d_in, slots, rank), dtype),
+                                       ((slots, rank, d_out), dtype)))
              for d_in, d_out in sorted(set(shapes))]
 
     def agree(cases: list[tuple[jax.Array, ...]]) -> jax.Array:
         return jnp.all(jnp.stack([jnp.array_equal(per_slot_terms(x, owner, down, up),
-                                                  slot_batched_terms(x, owner, down, up))
+                                                  SLOT_BATCHED_FORMS[form](x, owner, down, up))
                                   for x, down, up in cases]))
 
     return bool(jax.jit(agree)(cases))
+
+
+def slot_batched_lora_form(shapes: tuple[tuple[int, int], ...], rows: int, slots: int, rank: int,
+                           dtype: str = "float32") -> str | None:
+    """The first of SLOT_BATCHED_FORMS that gives the per-slot pairs' bits on this host (`slot_form_exact`),
+    or None: decode steps then keep the pairs whatever the mix."""
+    return next((form for form in SLOT_BATCHED_FORMS if slot_form_exact(form, shapes, rows, slots, rank, dtype)),
+                None)
 
 
 def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: Chunk | None) -> jax.Array:
@@ -358,7 +396,7 @@ def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: 
     rows = chunk.adapters
 
     def with_terms() -> jax.Array:  # a row without an adapter keeps y's own bits (not y + 0.0: -0.0 stays)
-        delta = lora_delta(x.astype(down.dtype), down, up, rows, slot_batched_over=chunk.slot_batched_lora)
+        delta = lora_delta(x, down, up, rows, slot_batched=chunk.slot_batched_lora)
         delta = delta.astype(y.dtype)
         return jnp.where((rows >= 0)[:, None, None], y + delta, y)
 
@@ -443,7 +481,7 @@ def hidden_states(
     attend: int | None = None,
     view_width: int = 1,
     adapters: jax.Array | None = None,
-    slot_batched_lora: int | None = None,
+    slot_batched_lora: tuple[str, int] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T tokens per row through the embedding, every decoder layer and the final norm: (h [B, T, H], cache).
 
@@ -460,7 +498,7 @@ def hidden_states(
     read before a later scatter makes it copy the whole cache), and every query reads its keys back from the
     cache in the cache's own dtype, as decode does. adapters [B] int32: each row's LoRA slot, -1 for none
     (`lora_delta`; the slots are the layers' "lora" params; None: no row has one); slot_batched_lora:
-    `lora_delta`'s slot_batched_over.
+    `lora_delta`'s slot_batched.
     """
     chunk = make_chunk(starts, n_valid, slots, tokens.shape[1], attend=attend, view_width=view_width,
                        adapters=adapters, slot_batched_lora=slot_batched_lora)
@@ -469,7 +507,7 @@ def hidden_states(
 
 
 def make_chunk(starts: jax.Array, n_valid: jax.Array, slots: jax.Array | None, t: int, *, attend: int | None,
-               view_width: int, adapters: jax.Array | None, slot_batched_lora: int | None) -> Chunk:
+               view_width: int, adapters: jax.Array | None, slot_batched_lora: tuple[str, int] | None) -> Chunk:
     """Where a call's T tokens per row sit (arguments as in `hidden_states`)."""
     positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)[None, :]  # [B, T] absolute positions
     return Chunk(positions=positions, ends=starts + t, held=starts + n_valid, n_valid=n_valid, slots=slots,
@@ -518,7 +556,7 @@ def prefill_chunk(
     attend: int | None = None,
     view_width: int = 1,
     adapters: jax.Array | None = None,
-    slot_batched_lora: int | None = None,
+    slot_batched_lora: tuple[str, int] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """A prompt chunk per row, tokens [B, T] int32 from starts [B] (n_valid [B] real, slots [B] or None,
     adapters [B] or None, as in `hidden_states`), continuing what each slot holds: (logits [B, V] float32 at
@@ -539,7 +577,7 @@ def decode_step(
     attend: int | None = None,
     view_width: int = 1,
     adapters: jax.Array | None = None,
-    slot_batched_lora: int | None = None,
+    slot_batched_lora: tuple[str, int] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One token for every slot of the pool: tokens [B] int32 at positions [B] int32, active [B] (0 / 1; an
     idle slot writes nothing), adapters [B] (each slot's LoRA slot, -1 none) or None, slot_batched_lora as in
@@ -564,7 +602,7 @@ def decode_with_chunk(
     view_width: int = 1,
     adapters: jax.Array | None = None,
     chunk_adapter: jax.Array | None = None,
-    slot_batched_lora: int | None = None,
+    slot_batched_lora: tuple[str, int] | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """A decode step (tokens, positions, active [B], adapters as in `decode_step`) and a prompt chunk of one
     other slot (chunk_tokens [1, T], chunk_start, chunk_n, chunk_slot and chunk_adapter [1], as
@@ -636,7 +674,7 @@ class Chunk:
     attend: int | None
     view_width: int
     adapters: jax.Array | None = None  # [B] int32 each row's LoRA slot, -1 for none (`lora_delta`), or None
-    slot_batched_lora: int | None = None  # `lora_delta`'s slot_batched_over
+    slot_batched_lora: tuple[str, int] | None = None  # `lora_delta`'s slot_batched
 
 
 def decoder_layer(hs: list[jax.Array], cache: KVCache, lp: dict[str, Any], layer: Any, cfg: ModelConfig,

@@ -82,6 +82,9 @@ class AdaptersSection(_Section):
     # given, or an agent file names one), else 0: no adapter path in any step.
     slots: int | None = Field(None, ge=0, le=64)
     max_rank: int = Field(RUNTIME.adapter_rank, ge=1, le=256)
+    # What the slots store and multiply in: the compute dtype, or bfloat16 (half the bytes a decode step under
+    # many adapters reads; the adapter products' inputs rounded to bfloat16, accumulated in float32).
+    dtype: Literal["compute", "bfloat16"] = "compute"
     dirs: list[str] = Field(default_factory=list)  # adapters named over HTTP must lie inside one; none: off
     base_agent: str = "assistant"  # whose settings an adapter loaded through vLLM's route gets
 
@@ -167,6 +170,7 @@ class ServerConfig(_Section):
             host_tier_bytes=s.host_tier_bytes, disk_tier_dir=s.disk_tier_dir, disk_tier_bytes=s.disk_tier_bytes,
             disk_tier_flush_s=s.disk_tier_flush_s,
             adapter_slots=self.adapters.slot_count(adapters_in_files), adapter_rank=self.adapters.max_rank,
+            adapter_dtype=None if self.adapters.dtype == "compute" else self.adapters.dtype,
             grammar_backend=g.backend, grammar_compile_timeout_s=g.compile_timeout_s,
             max_schema_bytes=g.max_schema_bytes,
         )

@@ -27,6 +27,7 @@ from core.model import (
     query_key,
     rms_norm,
     softmax,
+    times,
 )
 from core.rotation import rotate
 
@@ -58,8 +59,8 @@ def _w8a8_matrix(out: int, width: int) -> dict:
 
 W8A8_MATRIX = _w8a8_matrix(2048, 640)
 FLOAT_MATRIX = jnp.asarray(RNG.standard_normal((1536, 640)), jnp.float32)  # the default model's fused q/k/v
-LORA_DOWN = jnp.asarray(RNG.standard_normal((16, 2048)) * 0.1, jnp.float32)  # a rank-16 A of down_proj
-LORA_UP = jnp.asarray(RNG.standard_normal((2048, 16)) * 0.1, jnp.float32)  # a rank-16 B of gate_proj
+LORA_DOWN = jnp.asarray(RNG.standard_normal((2048, 16)) * 0.1, jnp.float32)  # a rank-16 A^T of down_proj
+LORA_UP = jnp.asarray(RNG.standard_normal((16, 2048)) * 0.1, jnp.float32)  # a rank-16 B^T of gate_proj
 
 
 def _rope(x: jax.Array) -> jax.Array:
@@ -80,8 +81,10 @@ PRIMITIVES = {
     "quantize-640": (lambda x: quantize_int8(x)[0].astype(jnp.float32) * quantize_int8(x)[1][:, None], 640),
     "w8a8-linear-640x2048": (lambda x: linear(x, W8A8_MATRIX), 640),
     "float-linear-640x1536": (lambda x: linear(x, FLOAT_MATRIX), 640),
-    "lora-down-2048x16": (lambda x: linear(x, LORA_DOWN), 2048),  # core.model.lora_delta's two products
-    "lora-up-16x2048": (lambda x: linear(x, LORA_UP), 16),
+    "lora-down-2048x16": (lambda x: times(x, LORA_DOWN), 2048),  # core.model.slot_pair's two products
+    "lora-up-16x2048": (lambda x: times(x, LORA_UP), 16),
+    "lora-down-bf16-2048x16": (lambda x: times(x, LORA_DOWN.astype(jnp.bfloat16)), 2048),  # bfloat16 slots
+    "lora-up-bf16-16x2048": (lambda x: times(x, LORA_UP.astype(jnp.bfloat16)), 16),
     "gelu*up-128": (lambda x: jax.nn.gelu(x[:, :64], approximate=True) * x[:, 64:], 128),
     "sum-of-products-8": (lambda x: x[:, :4] * x[:, :4] + x[:, 4:] * x[:, 4:], 8),
     "rope-256": (_rope, 256),

@@ -134,39 +134,47 @@ def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
         np.testing.assert_allclose(got[row], adapter.scale * x[row] @ a.T @ b.T, rtol=1e-5, atol=1e-5)
 
 
-def test_the_slot_batched_form_is_used_exactly_where_the_host_probe_says_it_rounds_as_the_pairs(monkeypatch):
-    """`lora_delta` gives one-token rows of many adapters their terms batched over the slots only where this
-    host rounds that as the per-slot pairs (`slot_batched_lora_exact`): the probe's answer for these shapes is
-    what the two forms really do here, and a form that differs by one ulp is caught by it."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_slot_batched_form_is_used_exactly_where_the_host_probe_says_it_rounds_as_the_pairs(monkeypatch, dtype):
+    """`lora_delta` gives one-token rows of many adapters their terms in a slot-batched form only where this
+    host rounds that as the per-slot pairs: for each form, the probe's answer (`slot_form_exact`) for these
+    shapes is what the form really does here; the engine's choice (`slot_batched_lora_form`) is the first form
+    the probe accepts; and a form one ulp off is caught."""
     import jax
     import jax.numpy as jnp
 
     from core import model
-    from core.model import lora_delta, slot_batched_lora_exact
+    from core.model import SLOT_BATCHED_FORMS, lora_delta, slot_batched_lora_form, slot_form_exact
 
     rng = np.random.default_rng(3)
     rows, slots, rank, d_in, d_out = 6, 6, 8, 96, 160
-    down = jnp.asarray(rng.standard_normal((slots, rank, d_in)), jnp.float32)
-    up = jnp.asarray(rng.standard_normal((slots, d_out, rank)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((d_in, slots, rank)), dtype)
+    up = jnp.asarray(rng.standard_normal((slots, rank, d_out)), dtype)
     x = jnp.asarray(rng.standard_normal((rows, 1, d_in)), jnp.float32)
     owner = jnp.asarray([0, 1, 2, 3, 4, -1], jnp.int32)
+    shapes = ((d_in, d_out),)
     pairs = jax.jit(lora_delta)(x, down, up, owner)
-    batched = jax.jit(lambda *a: lora_delta(*a, slot_batched_over=1))(x, down, up, owner)
-    exact = slot_batched_lora_exact(((d_in, d_out),), rows, slots, rank)
-    assert bool(jnp.array_equal(pairs[:5], batched[:5])) == exact  # the row with none is the caller's to keep
-    one_slot = jnp.zeros(rows, jnp.int32)  # a step of one adapter stays on the pairs: not more slots than 1
-    assert bool(jnp.array_equal(jax.jit(lambda *a: lora_delta(*a, slot_batched_over=1))(x, down, up, one_slot),
-                                jax.jit(lora_delta)(x, down, up, one_slot)))
+    for form in SLOT_BATCHED_FORMS:
+        batched = jax.jit(lambda *a, form=form: lora_delta(*a, slot_batched=(form, 1)))(x, down, up, owner)
+        exact = slot_form_exact(form, shapes, rows, slots, rank, dtype)
+        assert bool(jnp.array_equal(pairs[:5], batched[:5])) == exact, form  # the row with none: the caller's
+        one_slot = jnp.zeros(rows, jnp.int32)  # a step of one adapter stays on the pairs: not more slots than 1
+        assert bool(jnp.array_equal(jax.jit(lambda *a, form=form: lora_delta(*a, slot_batched=(form, 1)))(
+            x, down, up, one_slot), jax.jit(lora_delta)(x, down, up, one_slot)))
+    chosen = slot_batched_lora_form(shapes, rows, slots, rank, dtype)
+    assert chosen == next((f for f in SLOT_BATCHED_FORMS if slot_form_exact(f, shapes, rows, slots, rank, dtype)),
+                          None)
 
     def off_by_an_ulp(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
         return jnp.nextafter(model.per_slot_terms(x, owner, down, up), jnp.inf)
 
-    monkeypatch.setattr(model, "slot_batched_terms", off_by_an_ulp)
-    model.slot_batched_lora_exact.cache_clear()
+    for form in SLOT_BATCHED_FORMS:
+        monkeypatch.setitem(model.SLOT_BATCHED_FORMS, form, off_by_an_ulp)
+    model.slot_form_exact.cache_clear()
     try:
-        assert not slot_batched_lora_exact(((d_in, d_out),), rows, slots, rank)
+        assert slot_batched_lora_form(shapes, rows, slots, rank, dtype) is None
     finally:
-        model.slot_batched_lora_exact.cache_clear()
+        model.slot_form_exact.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])

@@ -45,7 +45,7 @@ def tiny(family: str) -> ModelConfig:
     return ModelConfig.from_hf_dict({**CONFIGS[family], "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma3-w8a8-int8kv"])
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma3-w8a8-int8kv", "gemma4-w8a8-int8kv-bf16slots"])
 def setup(request, compile_cache):
     family, _, variant = request.param.partition("-")
     cfg = tiny(family)
@@ -56,7 +56,8 @@ def setup(request, compile_cache):
     config = dict(num_slots=SLOTS, max_len=64, chunk_sizes=(4, 16), kv_dtype=kv_dtype, attention_buckets=())
     # A decode step of rows under both adapters computes their terms batched over the slots where the host
     # rounds that as the per-slot pairs (`core.model.lora_delta`); a row alone keeps the pairs.
-    adapted = Engine(cfg, params, EngineConfig(**config, adapter_slots=2, adapter_rank=RANK, slot_batched_lora_over=1),
+    adapted = Engine(cfg, params, EngineConfig(**config, adapter_slots=2, adapter_rank=RANK, slot_batched_lora_over=1,
+                                               adapter_dtype="bfloat16" if "bf16slots" in variant else None),
                      "float32")
     plain = Engine(cfg, params, EngineConfig(**config), "float32")
     adapted.load_adapter(0, random_adapter(cfg, RANK, seed=1))
@@ -127,9 +128,9 @@ def test_an_adapters_prompt_gives_the_same_bits_however_it_is_split_or_decoded(s
 
 
 def test_decode_batches_adapter_products_over_slots_only_where_the_host_probe_allows(monkeypatch):
-    """The engine asks `slot_batched_lora_exact` at start-up: where it says no, no decode program takes the
-    slot-batched form (the per-slot pairs serve every step); where yes, the decode programs are built for it,
-    under their own program identity (so a stored program of the other form is never read back)."""
+    """The engine asks `slot_batched_lora_form` at start-up: where no form is exact, no decode program takes
+    one (the per-slot pairs serve every step); where one is, the decode programs are built for it, under a
+    program identity of their own for each form (so a stored program of another form is never read back)."""
     from core import engine as engine_module
 
     cfg = tiny("gemma3")
@@ -137,12 +138,12 @@ def test_decode_batches_adapter_products_over_slots_only_where_the_host_probe_al
     config = EngineConfig(num_slots=SLOTS, max_len=64, chunk_sizes=(4,), attention_buckets=(), adapter_slots=2,
                           slot_batched_lora_over=3)
     identities = {}
-    for answer, expected in ((False, None), (True, 3)):
-        monkeypatch.setattr(engine_module, "slot_batched_lora_exact", lambda *_, answer=answer: answer)
+    for answer, expected in ((None, None), ("wide", ("wide", 3))):
+        monkeypatch.setattr(engine_module, "slot_batched_lora_form", lambda *_, answer=answer: answer)
         engine = Engine(cfg, params, config, "float32")
         assert engine.slot_batched_lora == expected
         identities[answer] = engine.programs["decode", 64].identity
-    assert identities[False] != identities[True]
+    assert len(set(identities.values())) == 2
     assert Engine(cfg, params, EngineConfig(num_slots=SLOTS, max_len=64, chunk_sizes=(4,), attention_buckets=()),
                   "float32").slot_batched_lora is None  # no adapter slots: no probe, no form
 
@@ -277,3 +278,30 @@ def test_an_idle_slot_brings_no_adapter_into_a_step():
 
     packed = _decode_inputs(np.zeros(3), np.zeros(3), np.array([True, False, True]), np.array([1, 0, NO_ADAPTER]))
     assert packed[3].tolist() == [1, NO_ADAPTER, NO_ADAPTER]
+
+
+def test_bfloat16_slots_hold_half_the_bytes_and_stay_close_to_the_compute_dtype(compile_cache):
+    """`EngineConfig.adapter_dtype="bfloat16"`: every slot array is bfloat16 (half the bytes of float32 slots, and
+    a new KV identity, so KV kept under the other kind is not reused), and an adapted row's logits stay within
+    bfloat16 rounding of the float32 slots' (the adapter terms are a small part of each projection)."""
+    cfg = tiny("gemma3")
+    params = random_params(cfg, std=0.1, norm_std=0.1, seed=5)
+    config = dict(num_slots=SLOTS, max_len=64, chunk_sizes=(4, 16), attention_buckets=(), adapter_slots=2,
+                  adapter_rank=RANK)
+    full, half = (Engine(cfg, params, EngineConfig(**config, adapter_dtype=dtype), "float32")
+                  for dtype in (None, "bfloat16"))
+    assert {str(a.dtype) for lp in half.params["layers"] for pair in lp["lora"].values() for a in pair} == {"bfloat16"}
+    assert 2 * half.adapter_bytes_per_slot == full.adapter_bytes_per_slot
+    assert half.kv_identity() != full.kv_identity()
+    adapter = random_adapter(cfg, RANK, seed=1)
+    for engine in (full, half):
+        engine.load_adapter(0, adapter)
+        engine.use_adapter(0, 0)
+    prompt = PROMPTS[0]
+    a, b = (np.asarray(engine.prefill(0, prompt, 0)) for engine in (full, half))
+    base = np.asarray(Engine(cfg, params, EngineConfig(**{k: v for k, v in config.items() if "adapter" not in k}),
+                             "float32").prefill(0, prompt, 0))
+    assert not np.array_equal(a, b)  # bfloat16 rounding shows
+    assert np.abs(a - b).max() < 0.05 * np.abs(a - base).max()  # ... small against what the adapter changes
+    with pytest.raises(ValueError, match="adapter_dtype"):
+        EngineConfig(adapter_dtype="int8")

@@ -212,3 +212,19 @@ def test_serve_adds_each_adapter_dir_flag_to_the_configs_directories(tmp_path):
     assert config.adapters.dirs == ["/srv/adapters", "/a", "/b"]
     assert config.runtime_options().adapter_slots == 8  # adapters can be named: slots by default
     assert serve_config(build_parser().parse_args(["serve"])).runtime_options().adapter_slots == 0
+
+
+def test_the_adapter_dtype_reaches_the_engine_config():
+    """`adapters.dtype`: "compute" (the default) leaves the slots in the compute dtype, "bfloat16" halves them;
+    anything else is a config error."""
+    import pydantic
+
+    from agents.runtime import engine_config
+    from server.config import load_config
+
+    assert load_config().runtime_options().adapter_dtype is None
+    options = load_config(overrides={"adapters.dtype": "bfloat16", "adapters.slots": 2}).runtime_options()
+    assert options.adapter_dtype == "bfloat16"
+    assert engine_config(options, "int8", False).adapter_dtype == "bfloat16"
+    with pytest.raises((pydantic.ValidationError, ValueError)):
+        load_config(overrides={"adapters.dtype": "int8"})
