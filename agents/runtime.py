@@ -40,6 +40,7 @@ class RuntimeOptions:
     dtype: str | None = None  # None: chosen per device
     kv_dtype: str | None = None  # "int8", a float dtype or "compute"; None: chosen (core.device.choose_kv_dtype)
     precision: str | None = None  # "float" | "w8a8"; None: chosen per device (core.device.choose_precision)
+    int4_ple: bool = False  # Gemma 4's per-layer-embedding table as packed int4
     # The built-in chat template for a checkpoint without its own (agents.chat_template.BUILTIN_TEMPLATES).
     chat_template: str = DEFAULT_BUILTIN
     # Each default below is the one its owner states (the engine's, the scheduler's, the grammar compiler's);
@@ -257,7 +258,7 @@ def build_runtime(options: RuntimeOptions, progress: Progress | None = None) -> 
     caching = options.compile_cache != "off"
     weights_cache = default_cache_dir() / "weights" if caching else None
     program_store = ProgramStore(default_cache_dir() / "programs") if caching else None
-    model = load_model(options.model, dtype=options.dtype, precision=options.precision,
+    model = load_model(options.model, dtype=options.dtype, precision=options.precision, int4_ple=options.int4_ple,
                        progress=(lambda done, total: progress("load the model", done, total, str(options.model)))
                        if progress else None, weights_cache=weights_cache)
     if progress and model.weights_from_cache:

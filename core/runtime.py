@@ -60,9 +60,11 @@ def load_model(
     precision: str | None = "float",
     progress: Callable[[int, int], None] | None = None,
     weights_cache: Path | None = None,
+    int4_ple: bool = False,
 ) -> LoadedModel:
     """``weights_cache``: a directory of prepared weights (`core.weight_cache`) to read them from, or to
-    store them in after preparing them; None: prepare them every time."""
+    store them in after preparing them; None: prepare them every time. ``int4_ple``: Gemma 4's
+    per-layer-embedding table as packed int4 (a model without one is unaffected)."""
     begin = time.perf_counter()
     source = open_checkpoint(model)
     cfg = ModelConfig.from_hf_dict(source.config)
@@ -71,7 +73,7 @@ def load_model(
     # None: chosen per device; the default stays "float" so library callers get the reference path.
     precision, precision_reason = choose_precision(precision)
     log.info("weight precision %s (%s)", precision, precision_reason)
-    policy = WeightPolicy(dtype=chosen, precision=precision)
+    policy = WeightPolicy(dtype=chosen, precision=precision, int4_ple=int4_ple)
     params, cached, identity = _prepared_params(source, cfg, policy, progress, weights_cache)
     return LoadedModel(
         name=str(model), path=source.path, cfg=cfg, params=params,

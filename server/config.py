@@ -33,6 +33,9 @@ class ModelSection(_Section):
     # None: chosen per device (int8 on CPU with W8A8, else the compute dtype); "compute" forces the latter
     kv_dtype: Literal["compute", "int8", "float32", "bfloat16", "float16"] | None = None
     precision: Literal["float", "f32", "w8a8"] | None = None  # None: chosen per device
+    # Gemma 4's per-layer-embedding table (E2B: 2.35e9 values): as the compute dtype, or packed int4 with per-row
+    # scales (a quarter of bfloat16's bytes); a model without one ignores it.
+    per_layer_embeddings: Literal["compute", "int4"] = "compute"
     # For a checkpoint without a chat template of its own: a plain transcript (what a base model continues)
     # or Gemma's turn tokens (an instruction-tuned checkpoint that ships no template).
     chat_template: Literal["transcript", "gemma-turns"] = RUNTIME.chat_template
@@ -160,6 +163,7 @@ class ServerConfig(_Section):
         m, s, g = self.model, self.scheduler, self.grammar
         return RuntimeOptions(
             model=m.name, dtype=m.dtype, kv_dtype=m.kv_dtype, precision=m.precision, chat_template=m.chat_template,
+            int4_ple=m.per_layer_embeddings == "int4",
             num_slots=m.slots,
             max_len=m.max_len,
             chunk_sizes=tuple(m.chunk_sizes), compile_cache=m.compile_cache,

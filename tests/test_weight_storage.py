@@ -114,3 +114,21 @@ def test_int4_ple_of_a_loaded_tree_equals_loading_with_the_policy():
                                       np.asarray(loaded["embed_per_layer"][key]))
     gemma3 = load_params(ArraySource(model_config("gemma3")), model_config("gemma3"))
     assert to_int4_ple(gemma3) is gemma3  # no per-layer table: nothing to convert
+
+
+def test_serving_loads_the_int4_table_when_the_config_asks(tiny_checkpoints):
+    """`model.per_layer_embeddings: int4` reaches `load_model`, which places Gemma 4's table as packed int4 (the
+    same arrays as `WeightPolicy(int4_ple=True)`); a Gemma 3 checkpoint has no such table and loads as before."""
+    from core.runtime import load_model
+    from server.config import load_config
+
+    assert load_config().runtime_options().int4_ple is False
+    assert load_config(overrides={"model.per_layer_embeddings": "int4"}).runtime_options().int4_ple is True
+    directory, _ = tiny_checkpoints["gemma4"]
+    packed = load_model(directory, dtype="float32", int4_ple=True).params["embed_per_layer"]
+    plain = load_model(directory, dtype="float32").params["embed_per_layer"]
+    assert set(packed) == {"q4", "s"} and packed["q4"].dtype == jnp.uint8
+    want = quantize_rows_int4(np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(packed["q4"]), want["q4"])
+    gemma3, _ = tiny_checkpoints["gemma3"]
+    assert "embed_per_layer" not in load_model(gemma3, dtype="float32", int4_ple=True).params
