@@ -194,7 +194,7 @@ def build_model(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             "raw_config": raw, "seconds": time.perf_counter() - begin}
 
 
-def with_precision(model: dict[str, Any], precision: str, int4_ple: bool) -> dict[str, Any]:
+def with_precision(model: dict[str, Any], precision: str, int4_ple: bool = False) -> dict[str, Any]:
     """The model's weights in ``precision``, with Gemma 4's per-layer-embedding table as int4 if asked."""
     if precision not in ("float", "w8a8"):
         raise SystemExit(f"unknown precision {precision!r}")
