@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """What LoRA adapter slots cost the engine (issue #31, docs/lora.md): decode step and prefill on the default
 model without adapter slots, with slots but no row using one, with 8 rows each under its own rank-16 adapter
-on all seven projections, and with 8 rows sharing one; the device bytes per adapter slot; the time to load one
+on all seven projections, and with 8 rows sharing one (slots in the compute dtype, and the last two again with
+bfloat16 slots, `adapters.dtype`); the form a decode step under 8 adapters takes; the device bytes per adapter
+slot; the time to load one
 adapter into a slot (the engine call the admin API ends in); and through HTTP (`slotserve serve` with an
 adapter directory): vLLM's load route per adapter, and the first request of each new adapter agent (its slot
 load included) against its second.
