@@ -115,17 +115,18 @@ def versions(packages: Iterable[str], *, python: bool = False) -> dict[str, str 
 def host() -> dict[str, Any]:
     """The machine a figure was measured on: CPU model, the ISA flags that change XLA's and llama.cpp's
     kernels, cores, platform."""
-    cpu = ""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags.split()]
-    except (OSError, StopIteration):
-        isa = []
-    return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "platform": platform.platform()}
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
+    except OSError:
+        pass
+    flags = fields.get("flags", "").split()
+    # avx512_bf16: YNNPACK's bfloat16 products (bfloat16 adapter slots); amx_int8: the int8 ones on Intel hosts
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8") if f in flags]
+    return {"cpu": fields.get("model name", ""), "family": fields.get("cpu family", ""),
+            "model": fields.get("model", ""), "isa": isa, "cores": os.cpu_count(), "platform": platform.platform()}
 
 
 # ---- servers -------------------------------------------------------------------------------------------------

@@ -234,7 +234,7 @@ class Engine:
         self.config = config
         self.dtype = dtype
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
-        # LoRA adapter products are float, but each slot's are one `linear` pair over the call's rows, whose bits
+        # LoRA adapter products are float, but each slot's are one `slot_pair` over the call's rows, whose bits
         # do not depend on the row count (`core.model.lora_delta`; tests/test_batched_verify.py checks it).
         self.rows_exact = self.spec.quantized and all_matmuls_integer(params)
         self.rows_verify_exact = config.rows_verify_width > 1 and self.rows_exact
