@@ -177,6 +177,37 @@ def test_a_slot_batched_form_is_used_exactly_where_the_host_probe_says_it_rounds
         model.slot_form_exact.cache_clear()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_slot_batched_form_the_probe_accepts_holds_for_many_inputs(dtype):
+    """Where the probe accepts a form for the default model's projection shapes (eight rows under eight
+    rank-16 slots), 300 other random batches get the per-slot pairs' bits from it too. bfloat16 slots round
+    the down product before the up product, so a probe of the terms alone passed by luck on a host whose
+    down product rounds by its width (Zen 4 over 2048 channels: 7 of 200 batches differed)."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.model import SLOT_BATCHED_FORMS, per_slot_terms, slot_form_exact
+
+    rows = slots = 8
+    rank = 16
+    owner = jnp.arange(rows, dtype=jnp.int32)
+    rng = np.random.default_rng(11)
+    for d_in, d_out in ((640, 1024), (2048, 640)):
+        down = jnp.asarray(rng.standard_normal((d_in, slots, rank)), dtype)
+        up = jnp.asarray(rng.standard_normal((slots, rank, d_out)), dtype)
+        for form, terms in SLOT_BATCHED_FORMS.items():
+            if not slot_form_exact(form, ((d_in, d_out),), rows, slots, rank, dtype):
+                continue
+
+            @jax.jit
+            def differ(xs: jax.Array, terms=terms, down=down, up=up) -> jax.Array:
+                return jax.lax.map(lambda x: jnp.any(per_slot_terms(x, owner, down, up)
+                                                     != terms(x, owner, down, up)), xs)
+
+            xs = jnp.asarray(rng.standard_normal((300, rows, d_in)), jnp.float32)
+            assert not bool(jnp.any(differ(xs))), (form, d_in, d_out, int(jnp.sum(differ(xs))))
+
+
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 def test_the_model_with_adapters_matches_transformers_with_peft_row_by_row(tmp_path, tiny_checkpoints, family):
     """One batch, three rows: adapter 1, no adapter, adapter 2. Each adapted row's logits equal transformers +
