@@ -25,7 +25,7 @@ import numpy as np
 
 from core.config import ModelConfig
 from core.kv_cache import CacheSpec, cache_bytes_per_slot, init_cache
-from core.lora import LoraAdapter, adapted_projections, attach_slots, with_adapter
+from core.lora import LoraAdapter, adapted_groups, attach_slots, with_adapter
 from core.model import decode_step, decode_with_chunk, prefill_chunk, slot_batched_lora_form, verify_chunk
 from core.program_store import ProgramStore, environment_fingerprint
 from core.programs import Program, ProgramKey, ProgramTable, abstract
@@ -234,7 +234,7 @@ class Engine:
         self.config = config
         self.dtype = dtype
         self.spec = CacheSpec(config.num_slots, config.max_len, config.kv_dtype or dtype)
-        # LoRA adapter products are float, but each slot's are one `slot_pair` over the call's rows, whose bits
+        # LoRA adapter products are float, but each slot's are one `slot_terms` over the call's rows, whose bits
         # do not depend on the row count (`core.model.lora_delta`; tests/test_batched_verify.py checks it).
         self.rows_exact = self.spec.quantized and all_matmuls_integer(params)
         self.rows_verify_exact = config.rows_verify_width > 1 and self.rows_exact
@@ -242,7 +242,7 @@ class Engine:
         # A decode step of rows under many adapters batches their products over the slots, where that rounds as
         # the per-slot pairs do on this host (`core.model.lora_delta`); the probe runs once per process and shapes.
         form = slot_batched_lora_form(
-            tuple(sorted(set(adapted_projections(cfg).values()))), config.num_slots, config.adapter_slots,
+            tuple(sorted(set(adapted_groups(cfg).values()))), config.num_slots, config.adapter_slots,
             config.adapter_rank, str(self.adapter_dtype)) if config.adapter_slots else None
         self.slot_batched_lora = (form, config.slot_batched_lora_over) if form else None
         self.slot_adapters = np.full(config.num_slots, NO_ADAPTER, np.int32)  # each KV slot's adapter slot
@@ -320,7 +320,7 @@ class Engine:
         """Device bytes one adapter slot takes (every projection at the maximum rank)."""
         if not self.config.adapter_slots:
             return 0
-        arrays = [a for lp in self.params["layers"] for pair in lp.get("lora", {}).values() for a in pair]
+        arrays = jax.tree_util.tree_leaves([lp.get("lora", {}) for lp in self.params["layers"]])
         return sum(a.nbytes for a in arrays) // self.config.adapter_slots
 
     # ---- programs --------------------------------------------------------------------------

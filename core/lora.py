@@ -189,31 +189,44 @@ def _check_half(array: np.ndarray, half: str, weight_shape: tuple[int, ...], ran
 
 # ---- batched application: every row its own adapter slot, static shapes ----------------------------------------
 #
-# The adapters of S slots, each zero-padded to the maximum rank R, are stacked per projection into `down`
-# [in, S, R] (the A matrices, transposed) and `up` [S, R, out] (the B matrices transposed, scale folded in):
+# The adapters of S slots, each zero-padded to the maximum rank R, are stacked per input group (the
+# projections of a layer that read the same input, INPUT_GROUPS) into `down` [in, S, G, R] (the group's G
+# A matrices, transposed) and, per projection, `up` [S, R, out] (its B matrix transposed, scale folded in):
 # the contracted dimension first, as the products read them, and every slot's columns side by side, so that
-# all slots' A form one [in, S*R] matrix and all B one [S*R, out] without a copy. Each batch row names its slot
-# (-1: none); `core.model.lora_delta` applies each slot in use to the call's tokens and keeps each token's own,
-# so a row's terms do not depend on the other rows of its batch or on how many tokens share its call.
+# one slot's A form one [in, G*R] matrix, all slots' one [in, S*G*R] and all B of a projection one
+# [S*R, out], without a copy. One down product per group, not per projection: a decode step's cost is mostly
+# its number of small products. Each batch row names its slot (-1: none); `core.model.lora_delta` applies
+# each slot in use to the call's tokens and keeps each token's own, so a row's terms do not depend on the other
+# rows of its batch or on how many tokens share its call.
+
+INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-def pack_slots(adapters: list[LoraAdapter | None], layer: int, target: str, in_dim: int, out_dim: int,
-               max_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """(down [in, S, R], up [S, R, out]) float32 for projection ``target`` of ``layer``: slot s holds adapter
-    s's pair (scale folded into up), zero-padded to ``max_rank``; a slot with no adapter, or whose adapter leaves
-    this projection alone, is zeros."""
-    down = np.zeros((in_dim, len(adapters), max_rank), np.float32)
-    up = np.zeros((len(adapters), max_rank, out_dim), np.float32)
+def group_key(targets: tuple[str, ...] | list[str]) -> str:
+    """The "lora" entry of a layer that holds these projections' slots (`attach_slots`)."""
+    return "+".join(targets)
+
+
+def pack_group(adapters: list[LoraAdapter | None], layer: int, targets: tuple[str, ...], in_dim: int,
+               out_dims: tuple[int, ...], max_rank: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(down [in, S, G, R], {target: up [S, R, out]}) float32 for projections ``targets`` of ``layer``, which
+    read one input: slot s holds adapter s's pairs (scale folded into up), zero-padded to ``max_rank``; a slot
+    with no adapter, or whose adapter leaves a projection alone, is zeros there."""
+    down = np.zeros((in_dim, len(adapters), len(targets), max_rank), np.float32)
+    ups = {target: np.zeros((len(adapters), max_rank, out), np.float32) for target, out in zip(targets, out_dims,
+                                                                                                strict=True)}
     for s, adapter in enumerate(adapters):
-        pair = None if adapter is None else adapter.pairs.get((layer, target))
-        if pair is not None:
-            write_pair(down, up, s, adapter.scale, *pair)
-    return down, up
+        for j, target in enumerate(targets):
+            pair = None if adapter is None else adapter.pairs.get((layer, target))
+            if pair is not None:
+                write_pair(down[:, :, j], ups[target], s, adapter.scale, *pair)
+    return down, ups
 
 
 def write_pair(down: np.ndarray, up: np.ndarray, slot: int, scale: float, a: np.ndarray | None,
                b: np.ndarray | None) -> None:
-    """Put one adapter's pair (A [r, in], B [out, r]; None: zeros) into slot ``slot`` of stacked arrays."""
+    """Put one adapter's pair (A [r, in], B [out, r]; None: zeros) into slot ``slot`` of stacked arrays
+    (down [in, S, R], a view into a group's, and up [S, R, out])."""
     down[:, slot] = 0
     up[slot] = 0
     if a is not None and b is not None:
@@ -238,24 +251,39 @@ def adapted_projections(cfg: ModelConfig) -> dict[tuple[int, str], tuple[int, in
     return found
 
 
+def adapted_groups(cfg: ModelConfig) -> dict[tuple[int, tuple[str, ...]], tuple[int, tuple[int, ...]]]:
+    """(layer index, targets) -> (in, outs) for each input group of `adapted_projections` (INPUT_GROUPS, the
+    projections this layer has)."""
+    projections = adapted_projections(cfg)
+    found = {}
+    for layer in cfg.layers:
+        for group in INPUT_GROUPS:
+            targets = tuple(t for t in group if (layer.index, t) in projections)
+            if targets:
+                found[layer.index, targets] = (projections[layer.index, targets[0]][0],
+                                               tuple(projections[layer.index, t][1] for t in targets))
+    return found
+
+
 def attach_slots(params: dict[str, Any], adapters: list[LoraAdapter | None], cfg: ModelConfig, max_rank: int,
                  every_projection: bool = False, dtype: str | None = None) -> dict[str, Any]:
-    """A copy of ``params`` whose layers carry "lora": {target: (down, up)} slots (`pack_slots`) in ``dtype``
-    (None: the compute dtype): for every projection some adapter adapts, or (``every_projection``) for all of
-    them, so that any adapter can be written into a slot later without changing a shape."""
+    """A copy of ``params`` whose layers carry "lora": {group_key(targets): (down, {target: up})} slots
+    (`pack_group`) in ``dtype`` (None: the compute dtype): for every input group one of whose projections
+    some adapter adapts, or (``every_projection``) for all of them, so that any adapter can be written into a
+    slot later without changing a shape."""
     import jax.numpy as jnp
 
     dtype = dtype or params["final_norm"].dtype
     adapted = {key for adapter in adapters if adapter is not None for key in adapter.pairs}
-    projections = adapted_projections(cfg)
+    groups = adapted_groups(cfg)
     layers = []
     for layer, lp in zip(cfg.layers, params["layers"], strict=True):
         slots = {}
-        for target in TARGETS:
-            key = (layer.index, target)
-            if key in projections and (every_projection or key in adapted):
-                down, up = pack_slots(adapters, layer.index, target, *projections[key], max_rank)
-                slots[target] = (jnp.asarray(down, dtype), jnp.asarray(up, dtype))
+        for (index, targets), (in_dim, out_dims) in groups.items():
+            if index == layer.index and (every_projection or any((index, t) in adapted for t in targets)):
+                down, ups = pack_group(adapters, index, targets, in_dim, out_dims, max_rank)
+                slots[group_key(targets)] = (jnp.asarray(down, dtype),
+                                             {t: jnp.asarray(up, dtype) for t, up in ups.items()})
         layers.append({**lp, "lora": slots} if slots else lp)
     return {**params, "layers": layers}
 
@@ -270,11 +298,15 @@ def with_adapter(params: dict[str, Any], slot: int, adapter: LoraAdapter | None)
     layers = []
     for index, lp in enumerate(params["layers"]):
         slots = {}
-        for target, (down, up) in lp.get("lora", {}).items():
-            host_down, host_up = np.array(down, np.float32), np.array(up, np.float32)
-            pair = None if adapter is None else adapter.pairs.get((index, target))
-            write_pair(host_down, host_up, slot, 0.0 if adapter is None else adapter.scale,
-                       *(pair if pair is not None else (None, None)))
-            slots[target] = (jnp.asarray(host_down, down.dtype), jnp.asarray(host_up, up.dtype))
+        for key, (down, ups) in lp.get("lora", {}).items():
+            host_down = np.array(down, np.float32)
+            host_ups = {}
+            for j, target in enumerate(key.split("+")):
+                host_ups[target] = np.array(ups[target], np.float32)
+                pair = None if adapter is None else adapter.pairs.get((index, target))
+                write_pair(host_down[:, :, j], host_ups[target], slot, 0.0 if adapter is None else adapter.scale,
+                           *(pair if pair is not None else (None, None)))
+            slots[key] = (jnp.asarray(host_down, down.dtype),
+                          {t: jnp.asarray(up, ups[t].dtype) for t, up in host_ups.items()})
         layers.append({**lp, "lora": slots} if slots else lp)
     return {**params, "layers": layers}

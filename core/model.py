@@ -28,6 +28,7 @@ import numpy as np
 
 from core.config import ModelConfig
 from core.kv_cache import KVCache, layer_key, sliding_view_length
+from core.lora import group_key
 from core.rotation import rotate
 
 Params = dict[str, Any]
@@ -298,18 +299,10 @@ def times(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def slot_pair(x: jax.Array, down: jax.Array, up: jax.Array, slot: int | jax.Array) -> jax.Array:
-    """x [n, in] -> [n, out] through one adapter slot's pair: x @ A^T, then @ (scale B)^T (`core.lora.pack_slots`
-    layouts: down [in, S, R], up [S, R, out]); ``slot`` may be traced."""
-    a = jax.lax.dynamic_index_in_dim(down, slot, axis=1, keepdims=False)  # [in, R]
-    b = jax.lax.dynamic_index_in_dim(up, slot, axis=0, keepdims=False)  # [R, out]
-    return times(times_in_blocks(x, a), b)
-
-
 # Adapter down products contract at most this many input channels per library call, the blocks' products
 # summed in order: on some hosts a longer contraction rounds differently by the product's width (bfloat16
-# over 2048 channels on Zen 4: width 16 and width 128 differ), and the per-slot pairs (width R) and the wide
-# form (width S*R) must give a column the same bits.
+# over 2048 channels on Zen 4: width 16 and width 128 differ), and the per-slot terms (width G*R) and the wide
+# form (width S*G*R) must give a column the same bits.
 ADAPTER_K_BLOCK = 1024
 
 
@@ -322,114 +315,137 @@ def times_in_blocks(x: jax.Array, w: jax.Array) -> jax.Array:
     return total
 
 
-def lora_delta(x: jax.Array, down: jax.Array, up: jax.Array, rows: jax.Array, *,
-               slot_batched: tuple[str, int] | None = None) -> jax.Array:
-    """What each row's LoRA adapter adds to a projection of x [B, T, in] -> [B, T, out] float32: down [in, S, R]
-    holds the slots' A matrices transposed, up [S, R, out] their scaled B matrices transposed
-    (`core.lora.pack_slots`), rows [B] int32 each row's slot (-1: none; the caller keeps such rows as they were).
-    A token's terms are always one `slot_pair` with its own slot's matrices: over the one row's tokens in a
-    single-row call, over all the call's tokens per slot some row uses otherwise (each token keeping its own
-    slot's). The pairs differ between calls only in their row count, which changes no row's bits
-    (tests/test_exactness.py), so a row's terms do not depend on the other rows' adapters, on how its prompt was
-    chunked, or on decode vs prefill (docs/lora.md).
+def slot_terms(x: jax.Array, down: jax.Array, ups: list[jax.Array], slot: int | jax.Array) -> list[jax.Array]:
+    """x [n, in] through one adapter slot of an input group (`core.lora.pack_group` layouts: down
+    [in, S, G, R], ups G x [S, R, out]): x @ [A_1 .. A_G]^T in one product, then each projection's part
+    @ (scale B)^T; ``slot`` may be traced. -> G x [n, out]."""
+    d_in, _, groups, rank = down.shape
+    a = jax.lax.dynamic_index_in_dim(down, slot, axis=1, keepdims=False).reshape(d_in, groups * rank)
+    h = times_in_blocks(x, a)
+    return [times(h[:, j * rank:(j + 1) * rank], jax.lax.dynamic_index_in_dim(up, slot, axis=0, keepdims=False))
+            for j, up in enumerate(ups)]
+
+
+def lora_delta(x: jax.Array, down: jax.Array, ups: list[jax.Array], rows: jax.Array, *,
+               slot_batched: tuple[str, int] | None = None) -> list[jax.Array]:
+    """What each row's LoRA adapter adds to the projections of an input group of x [B, T, in]: G x
+    [B, T, out] float32. down [in, S, G, R] holds the slots' A matrices transposed, ups G x [S, R, out] their
+    scaled B matrices transposed (`core.lora.pack_group`), rows [B] int32 each row's slot (-1: none; the caller
+    keeps such rows as they were). A token's terms are always one `slot_terms` with its own slot's matrices:
+    over the one row's tokens in a single-row call, over all the call's tokens per slot some row uses otherwise
+    (each token keeping its own slot's). Those differ between calls only in their row count, which changes no
+    row's bits (tests/test_exactness.py), so a row's terms do not depend on the other rows' adapters, on how
+    its prompt was chunked, or on decode vs prefill (docs/lora.md).
 
     slot_batched: (form, over): a call of one token per row whose rows use more slots than ``over`` computes
     every slot's terms for all rows at once in that form of SLOT_BATCHED_FORMS, which costs the same for any mix
-    (None: never). Only a form that gives the pairs' bits: `slot_batched_lora_form` asks the host at start-up."""
+    (None: never). Only a form that gives the slots' own bits: `slot_batched_lora_form` asks the host at
+    start-up."""
     b, t, _ = x.shape
     if b == 1:  # one slot's tokens (a prefill chunk, a lone verify pass): its own matrices
-        return slot_pair(x[0], down, up, jnp.maximum(rows[0], 0))[None]
+        return [y[None] for y in slot_terms(x[0], down, ups, jnp.maximum(rows[0], 0))]
     flat, owner = x.reshape(b * t, -1), jnp.repeat(rows, t)
     if slot_batched is None or t != 1:
-        return per_slot_terms(flat, owner, down, up).reshape(b, t, -1)
-    form, over = slot_batched
-    in_use = jnp.sum(jnp.any(rows[None, :] == jnp.arange(up.shape[0])[:, None], axis=1))
-    return jax.lax.cond(in_use <= over, per_slot_terms, SLOT_BATCHED_FORMS[form], flat, owner, down,
-                        up).reshape(b, t, -1)
+        terms = per_slot_terms(flat, owner, down, ups)
+    else:
+        form, over = slot_batched
+        in_use = jnp.sum(jnp.any(rows[None, :] == jnp.arange(down.shape[1])[:, None], axis=1))
+        terms = jax.lax.cond(in_use <= over, per_slot_terms, SLOT_BATCHED_FORMS[form], flat, owner, down, ups)
+    return [y.reshape(b, t, -1) for y in terms]
 
 
-def per_slot_terms(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-    """x [N, in] -> [N, out]: each slot some token uses (owner [N]) as one `slot_pair` over all N tokens
+def per_slot_terms(x: jax.Array, owner: jax.Array, down: jax.Array, ups: list[jax.Array]) -> list[jax.Array]:
+    """x [N, in] -> G x [N, out]: each slot some token uses (owner [N]) as one `slot_terms` over all N tokens
     (skipped by lax.cond for a slot none uses), each token keeping its own slot's terms."""
-    zeros = total = jnp.zeros((x.shape[0], up.shape[2]), jnp.float32)
-    for slot in range(up.shape[0]):
-        part = jax.lax.cond(jnp.any(owner == slot), lambda k=slot: slot_pair(x, down, up, k), lambda: zeros)
-        total = jnp.where((owner == slot)[:, None], part, total)
-    return total
+    zeros = [jnp.zeros((x.shape[0], up.shape[2]), jnp.float32) for up in ups]
+    totals = zeros
+    for slot in range(down.shape[1]):
+        parts = jax.lax.cond(jnp.any(owner == slot), lambda k=slot: slot_terms(x, down, ups, k), lambda: zeros)
+        mine = (owner == slot)[:, None]
+        totals = [jnp.where(mine, part, total) for part, total in zip(parts, totals, strict=True)]
+    return totals
 
 
-def wide_slot_terms(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-    """`per_slot_terms` in two wide products: x against every slot's A at once ([N, S*R]), each token's columns
-    of other slots zeroed, then against every slot's B ([S*R, out]; the zeros add nothing). It reads every
-    slot's matrices once, whatever the mix, in two library products per projection; a token's terms are its
-    pair's where this host's products keep a column's bits whatever the product's width and the zero terms
-    beside its own."""
-    slots, rank = down.shape[1:]
-    h = wide_down(x, down)
-    own = (jnp.arange(slots)[None, :] == owner[:, None])[:, :, None]
-    return times(jnp.where(own, h, 0.0).reshape(-1, slots * rank), up.reshape(slots * rank, -1))
+def wide_slot_terms(x: jax.Array, owner: jax.Array, down: jax.Array, ups: list[jax.Array]) -> list[jax.Array]:
+    """`per_slot_terms` in 1 + G wide products: x against every slot's A at once ([N, S*G*R], `wide_down`),
+    each token's columns of other slots zeroed, then each projection's part against every slot's B
+    ([S*R, out]; the zeros add nothing). It reads every slot's matrices once, whatever the mix; a token's
+    terms are its slot's where this host's products keep a column's bits whatever the product's width and the
+    zero terms beside its own."""
+    slots, _, rank = down.shape[1:]
+    own = (jnp.arange(slots)[None, :] == owner[:, None])[:, :, None, None]
+    h = jnp.where(own, wide_down(x, down), 0.0)
+    return [times(h[:, :, j].reshape(-1, slots * rank), up.reshape(slots * rank, -1)) for j, up in enumerate(ups)]
+
+
+def wide_down(x: jax.Array, down: jax.Array) -> jax.Array:
+    """x [N, in] against every slot's A of an input group at once: [N, S, G, R] (down [in, S, G, R])."""
+    d_in, slots, groups, rank = down.shape
+    return times_in_blocks(x, down.reshape(d_in, slots * groups * rank)).reshape(-1, slots, groups, rank)
 
 
 SLOT_BATCHED_FORMS = {"wide": wide_slot_terms}  # in order of preference
 
 
-def wide_down(x: jax.Array, down: jax.Array) -> jax.Array:
-    """x [N, in] against every slot's A at once: [N, S, R] (down [in, S, R])."""
-    d_in, slots, rank = down.shape
-    return times_in_blocks(x, down.reshape(d_in, slots * rank)).reshape(-1, slots, rank)
-
-
 @functools.cache
-def slot_form_exact(form: str, shapes: tuple[tuple[int, int], ...], rows: int, slots: int, rank: int,
+def slot_form_exact(form: str, shapes: tuple[tuple[int, tuple[int, ...]], ...], rows: int, slots: int, rank: int,
                     dtype: str = "float32") -> bool:
-    """Whether SLOT_BATCHED_FORMS[form] gives `per_slot_terms`' bits on this host for projections of these
-    (in, out) shapes, `rows` one-token rows each under its own slot (cycling through `slots` of rank `rank`,
+    """Whether SLOT_BATCHED_FORMS[form] gives `per_slot_terms`' bits on this host for input groups of these
+    (in, outs) shapes, `rows` one-token rows each under its own slot (cycling through `slots` of rank `rank`,
     stored in `dtype`). Whether a library product keeps a row's or a column's bits as the product's shape
     changes depends on the CPU's kernels (and differs between float32 and bfloat16 ones), so each engine asks
     at start-up, once per process and shapes; random values, each shape once. The forms start from
     `wide_down`, whose columns are checked against each slot's own down product before any rounding: in
-    bfloat16 slots they are rounded before the up product, which hides most (not all) of a difference from the
-    terms alone."""
+    bfloat16 slots they are rounded before the up products, which hides most (not all) of a difference from
+    the terms alone."""
     rng = np.random.default_rng(0)
     owner = jnp.arange(rows, dtype=jnp.int32) % slots
-    cases = [tuple(jnp.asarray(rng.standard_normal(shape), kind)
-                   for shape, kind in (((rows, d_in), jnp.float32), ((d_in, slots, rank), dtype),
-                                       ((slots, rank, d_out), dtype)))
-             for d_in, d_out in sorted(set(shapes))]
 
-    def agree(cases: list[tuple[jax.Array, ...]]) -> jax.Array:
+    def draw(shape: tuple[int, ...], kind: Any) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape), kind)
+
+    cases = [(draw((rows, d_in), jnp.float32), draw((d_in, slots, len(outs), rank), dtype),
+              [draw((slots, rank, d_out), dtype) for d_out in outs]) for d_in, outs in sorted(set(shapes))]
+
+    def agree(cases: list[tuple[Any, ...]]) -> jax.Array:
         checks = []
-        for x, down, up in cases:
-            own_down = jnp.stack([times_in_blocks(x, down[:, slot]) for slot in range(slots)], axis=1)
-            checks.append(jnp.array_equal(own_down, wide_down(x, down)))
-            checks.append(jnp.array_equal(per_slot_terms(x, owner, down, up),
-                                          SLOT_BATCHED_FORMS[form](x, owner, down, up)))
+        for x, down, ups in cases:
+            d_in, _, groups, _ = down.shape
+            own_down = jnp.stack([times_in_blocks(x, down[:, slot].reshape(d_in, -1)) for slot in range(slots)],
+                                 axis=1)
+            checks.append(jnp.array_equal(own_down, wide_down(x, down).reshape(rows, slots, -1)))
+            checks += [jnp.array_equal(a, b) for a, b in zip(per_slot_terms(x, owner, down, ups),
+                                                              SLOT_BATCHED_FORMS[form](x, owner, down, ups),
+                                                              strict=True)]
         return jnp.all(jnp.stack(checks))
 
     return bool(jax.jit(agree)(cases))
 
 
-def slot_batched_lora_form(shapes: tuple[tuple[int, int], ...], rows: int, slots: int, rank: int,
+def slot_batched_lora_form(shapes: tuple[tuple[int, tuple[int, ...]], ...], rows: int, slots: int, rank: int,
                            dtype: str = "float32") -> str | None:
-    """The first of SLOT_BATCHED_FORMS that gives the per-slot pairs' bits on this host (`slot_form_exact`),
-    or None: decode steps then keep the pairs whatever the mix."""
+    """The first of SLOT_BATCHED_FORMS that gives the per-slot terms' bits on this host (`slot_form_exact`),
+    or None: decode steps then keep the per-slot terms whatever the mix."""
     return next((form for form in SLOT_BATCHED_FORMS if slot_form_exact(form, shapes, rows, slots, rank, dtype)),
                 None)
 
 
-def adapted(y: jax.Array, x: jax.Array, lp: dict[str, Any], target: str, chunk: Chunk | None) -> jax.Array:
-    """y, the projection ``target`` of x, plus the rows' LoRA terms where the layer has slots for it."""
-    if chunk is None or chunk.adapters is None or target not in lp.get("lora", {}):
-        return y
-    down, up = lp["lora"][target]
+def adapted(ys: list[jax.Array], x: jax.Array, lp: dict[str, Any], targets: list[str], chunk: Chunk | None
+            ) -> list[jax.Array]:
+    """ys, the projections ``targets`` of x (an input group), plus the rows' LoRA terms where the layer has
+    slots for them (`core.lora.attach_slots` keys a group's slots by its targets)."""
+    slots = lp.get("lora", {}).get(group_key(targets))
+    if chunk is None or chunk.adapters is None or slots is None:
+        return ys
+    down, ups = slots
     rows = chunk.adapters
 
-    def with_terms() -> jax.Array:  # a row without an adapter keeps y's own bits (not y + 0.0: -0.0 stays)
-        delta = lora_delta(x, down, up, rows, slot_batched=chunk.slot_batched_lora)
-        delta = delta.astype(y.dtype)
-        return jnp.where((rows >= 0)[:, None, None], y + delta, y)
+    def with_terms() -> list[jax.Array]:  # a row without an adapter keeps y's bits (not y + 0.0: -0.0 stays)
+        deltas = lora_delta(x, down, [ups[t] for t in targets], rows, slot_batched=chunk.slot_batched_lora)
+        keep = (rows >= 0)[:, None, None]
+        return [jnp.where(keep, y + delta.astype(y.dtype), y) for y, delta in zip(ys, deltas, strict=True)]
 
-    return jax.lax.cond(jnp.any(rows >= 0), with_terms, lambda: y)  # no adapted row: no products at all
+    return jax.lax.cond(jnp.any(rows >= 0), with_terms, lambda: list(ys))  # no adapted row: no products at all
 
 
 def linear_rows(xs: list[jax.Array], w: Any) -> list[jax.Array]:
@@ -462,7 +478,8 @@ def project_qkv(xs: list[jax.Array], lp: dict[str, Any], layer: Any, num_heads: 
     result = []
     for x, chunk, parts in zip(xs, chunks, outs, strict=True):
         b, t = x.shape[:2]
-        q, *kv = [adapted(y, x, lp, name, chunk) for y, name in zip(parts, names, strict=True)]
+        own = len(names) if layer.owns_cache else 1  # a KV-shared layer's k/v are unused: no adapter slots
+        q, *kv = adapted(list(parts[:own]), x, lp, names[:own], chunk) + list(parts[own:])
         kv = [y.reshape(b, t, layer.num_kv_heads, layer.head_dim) for y in kv]
         k = kv[0] if kv else None
         v = kv[1] if len(kv) > 1 else k
@@ -735,19 +752,19 @@ def decoder_layer(hs: list[jax.Array], cache: KVCache, lp: dict[str, Any], layer
     entry = cache[layer_key(layer.kv_source)]
     attns = [layer_attention(q, entry, layer.is_sliding, cfg, chunk) for q, chunk in zip(qs, chunks, strict=True)]
     outs = linear_rows(attns, lp["o_proj"])
-    hs = [hs[g] + rms_norm(adapted(outs[g], attns[g], lp, "o_proj", chunks[g]), lp["post_attention_layernorm"],
-                           eps) for g in groups]
+    hs = [hs[g] + rms_norm(adapted([outs[g]], attns[g], lp, ["o_proj"], chunks[g])[0],
+                           lp["post_attention_layernorm"], eps) for g in groups]
 
     xs = [rms_norm(h, lp["pre_feedforward_layernorm"], eps) for h in hs]
     if "gate_up_proj" in lp:  # fused (core.weights.fuse_projections)
         gates, ups = zip(*[jnp.split(y, 2, axis=-1) for y in linear_rows(xs, lp["gate_up_proj"])], strict=True)
     else:
         gates, ups = linear_rows(xs, lp["gate_proj"]), linear_rows(xs, lp["up_proj"])
-    acts = [jax.nn.gelu(adapted(gates[g], xs[g], lp, "gate_proj", chunks[g]), approximate=True)
-            * adapted(ups[g], xs[g], lp, "up_proj", chunks[g]) for g in groups]
+    pairs = [adapted([gates[g], ups[g]], xs[g], lp, ["gate_proj", "up_proj"], chunks[g]) for g in groups]
+    acts = [jax.nn.gelu(gate, approximate=True) * up for gate, up in pairs]
     mlps = linear_rows(acts, lp["down_proj"])
-    hs = [hs[g] + rms_norm(adapted(mlps[g], acts[g], lp, "down_proj", chunks[g]), lp["post_feedforward_layernorm"],
-                           eps) for g in groups]
+    hs = [hs[g] + rms_norm(adapted([mlps[g]], acts[g], lp, ["down_proj"], chunks[g])[0],
+                           lp["post_feedforward_layernorm"], eps) for g in groups]
 
     if ples[0] is not None:
         gates = [jax.nn.gelu(y, approximate=True) for y in linear_rows(hs, lp["per_layer_input_gate"])]

@@ -28,6 +28,7 @@ from core.model import (
     rms_norm,
     softmax,
     times,
+    times_in_blocks,
 )
 from core.rotation import rotate
 
@@ -61,6 +62,7 @@ W8A8_MATRIX = _w8a8_matrix(2048, 640)
 FLOAT_MATRIX = jnp.asarray(RNG.standard_normal((1536, 640)), jnp.float32)  # the default model's fused q/k/v
 LORA_DOWN = jnp.asarray(RNG.standard_normal((2048, 16)) * 0.1, jnp.float32)  # a rank-16 A^T of down_proj
 LORA_UP = jnp.asarray(RNG.standard_normal((16, 2048)) * 0.1, jnp.float32)  # a rank-16 B^T of gate_proj
+LORA_QKV_DOWN = jnp.asarray(RNG.standard_normal((640, 48)) * 0.1, jnp.float32)  # q, k and v's A^T side by side
 
 
 def _rope(x: jax.Array) -> jax.Array:
@@ -81,9 +83,11 @@ PRIMITIVES = {
     "quantize-640": (lambda x: quantize_int8(x)[0].astype(jnp.float32) * quantize_int8(x)[1][:, None], 640),
     "w8a8-linear-640x2048": (lambda x: linear(x, W8A8_MATRIX), 640),
     "float-linear-640x1536": (lambda x: linear(x, FLOAT_MATRIX), 640),
-    "lora-down-2048x16": (lambda x: times(x, LORA_DOWN), 2048),  # core.model.slot_pair's two products
+    "lora-down-2048x16": (lambda x: times_in_blocks(x, LORA_DOWN), 2048),  # core.model.slot_terms' products
+    "lora-down-640x48": (lambda x: times_in_blocks(x, LORA_QKV_DOWN), 640),  # an input group's (q, k, v)
+    "lora-down-bf16-640x48": (lambda x: times_in_blocks(x, LORA_QKV_DOWN.astype(jnp.bfloat16)), 640),
     "lora-up-16x2048": (lambda x: times(x, LORA_UP), 16),
-    "lora-down-bf16-2048x16": (lambda x: times(x, LORA_DOWN.astype(jnp.bfloat16)), 2048),  # bfloat16 slots
+    "lora-down-bf16-2048x16": (lambda x: times_in_blocks(x, LORA_DOWN.astype(jnp.bfloat16)), 2048),  # bfloat16 slots
     "lora-up-bf16-16x2048": (lambda x: times(x, LORA_UP.astype(jnp.bfloat16)), 16),
     "gelu*up-128": (lambda x: jax.nn.gelu(x[:, :64], approximate=True) * x[:, 64:], 128),
     "sum-of-products-8": (lambda x: x[:, :4] * x[:, :4] + x[:, 4:] * x[:, 4:], 8),

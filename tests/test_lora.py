@@ -105,12 +105,12 @@ def test_an_adapter_for_another_model_is_refused_by_its_shapes(tmp_path):
 
 
 def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
-    """Rows of three adapters of different ranks and a row with none, through the stacked slots: each row gets
-    scale * x @ A^T @ B^T of its own adapter (its slot's padding and the other slots add nothing), the row with
-    none exactly zero."""
+    """Rows of three adapters of different ranks and a row with none, through the stacked slots of an input
+    group (gate and up): each row gets scale * x @ A^T @ B^T of its own adapter on each projection (its slot's
+    padding, the other slots and the group's other projection add nothing), the row with none exactly zero."""
     import jax.numpy as jnp
 
-    from core.lora import pack_slots
+    from core.lora import pack_group
     from core.model import lora_delta
 
     cfg = model_config("gemma3")
@@ -121,23 +121,26 @@ def test_one_batched_product_gives_each_row_its_own_adapter(tmp_path):
     slots = [adapters[0], None, adapters[1], adapters[2]]  # slot 1 empty
     h = cfg.hidden_size
     out = cfg.layers[0].mlp_dim
-    down, up = pack_slots(slots, 0, "gate_proj", h, out, max_rank=8)
+    targets = ("gate_proj", "up_proj")
+    down, ups = pack_group(slots, 0, targets, h, (out, out), max_rank=8)
     rows = np.array([2, -1, 0, 3, 2])  # slots of five rows; one with no adapter
     x = np.random.default_rng(0).standard_normal((len(rows), 3, h)).astype(np.float32)
-    got = np.asarray(lora_delta(jnp.asarray(x), jnp.asarray(down), jnp.asarray(up), jnp.asarray(rows, jnp.int32)))
-    for row, slot in enumerate(rows):
-        if slot < 0:
-            np.testing.assert_array_equal(got[row], 0)
-            continue
-        adapter = slots[slot]
-        a, b = adapter.pairs[0, "gate_proj"]
-        np.testing.assert_allclose(got[row], adapter.scale * x[row] @ a.T @ b.T, rtol=1e-5, atol=1e-5)
+    got = [np.asarray(y) for y in lora_delta(jnp.asarray(x), jnp.asarray(down), [jnp.asarray(ups[t]) for t in targets],
+                                             jnp.asarray(rows, jnp.int32))]
+    for target, terms in zip(targets, got, strict=True):
+        for row, slot in enumerate(rows):
+            if slot < 0:
+                np.testing.assert_array_equal(terms[row], 0)
+                continue
+            adapter = slots[slot]
+            a, b = adapter.pairs[0, target]
+            np.testing.assert_allclose(terms[row], adapter.scale * x[row] @ a.T @ b.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_slot_batched_form_is_used_exactly_where_the_host_probe_says_it_rounds_as_the_pairs(monkeypatch, dtype):
     """`lora_delta` gives one-token rows of many adapters their terms in a slot-batched form only where this
-    host rounds that as the per-slot pairs: for each form, the probe's answer (`slot_form_exact`) for these
+    host rounds that as the per-slot terms: for each form, the probe's answer (`slot_form_exact`) for these
     shapes is what the form really does here; the engine's choice (`slot_batched_lora_form`) is the first form
     the probe accepts; and a form one ulp off is caught."""
     import jax
@@ -147,26 +150,28 @@ def test_a_slot_batched_form_is_used_exactly_where_the_host_probe_says_it_rounds
     from core.model import SLOT_BATCHED_FORMS, lora_delta, slot_batched_lora_form, slot_form_exact
 
     rng = np.random.default_rng(3)
-    rows, slots, rank, d_in, d_out = 6, 6, 8, 96, 160
-    down = jnp.asarray(rng.standard_normal((d_in, slots, rank)), dtype)
-    up = jnp.asarray(rng.standard_normal((slots, rank, d_out)), dtype)
+    rows, slots, rank, d_in, outs = 6, 6, 8, 96, (160, 48)
+    down = jnp.asarray(rng.standard_normal((d_in, slots, len(outs), rank)), dtype)
+    ups = [jnp.asarray(rng.standard_normal((slots, rank, d_out)), dtype) for d_out in outs]
     x = jnp.asarray(rng.standard_normal((rows, 1, d_in)), jnp.float32)
     owner = jnp.asarray([0, 1, 2, 3, 4, -1], jnp.int32)
-    shapes = ((d_in, d_out),)
-    pairs = jax.jit(lora_delta)(x, down, up, owner)
+    shapes = ((d_in, outs),)
+    pairs = jax.jit(lora_delta)(x, down, ups, owner)
     for form in SLOT_BATCHED_FORMS:
-        batched = jax.jit(lambda *a, form=form: lora_delta(*a, slot_batched=(form, 1)))(x, down, up, owner)
+        batched = jax.jit(lambda *a, form=form: lora_delta(*a, slot_batched=(form, 1)))(x, down, ups, owner)
         exact = slot_form_exact(form, shapes, rows, slots, rank, dtype)
-        assert bool(jnp.array_equal(pairs[:5], batched[:5])) == exact, form  # the row with none: the caller's
+        # the row with none: the caller's
+        assert all(bool(jnp.array_equal(p[:5], b[:5])) for p, b in zip(pairs, batched, strict=True)) == exact, form
         one_slot = jnp.zeros(rows, jnp.int32)  # a step of one adapter stays on the pairs: not more slots than 1
-        assert bool(jnp.array_equal(jax.jit(lambda *a, form=form: lora_delta(*a, slot_batched=(form, 1)))(
-            x, down, up, one_slot), jax.jit(lora_delta)(x, down, up, one_slot)))
+        for p, b in zip(jax.jit(lambda *a, form=form: lora_delta(*a, slot_batched=(form, 1)))(x, down, ups, one_slot),
+                        jax.jit(lora_delta)(x, down, ups, one_slot), strict=True):
+            assert bool(jnp.array_equal(p, b))
     chosen = slot_batched_lora_form(shapes, rows, slots, rank, dtype)
     assert chosen == next((f for f in SLOT_BATCHED_FORMS if slot_form_exact(f, shapes, rows, slots, rank, dtype)),
                           None)
 
-    def off_by_an_ulp(x: jax.Array, owner: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-        return jnp.nextafter(model.per_slot_terms(x, owner, down, up), jnp.inf)
+    def off_by_an_ulp(x: jax.Array, owner: jax.Array, down: jax.Array, ups: list[jax.Array]) -> list[jax.Array]:
+        return [jnp.nextafter(y, jnp.inf) for y in model.per_slot_terms(x, owner, down, ups)]
 
     for form in SLOT_BATCHED_FORMS:
         monkeypatch.setitem(model.SLOT_BATCHED_FORMS, form, off_by_an_ulp)
@@ -179,10 +184,10 @@ def test_a_slot_batched_form_is_used_exactly_where_the_host_probe_says_it_rounds
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_slot_batched_form_the_probe_accepts_holds_for_many_inputs(dtype):
-    """Where the probe accepts a form for the default model's projection shapes (eight rows under eight
-    rank-16 slots), 300 other random batches get the per-slot pairs' bits from it too. bfloat16 slots round
-    the down product before the up product, so a probe of the terms alone passed by luck on a host whose
-    down product rounds by its width (Zen 4 over 2048 channels: 7 of 200 batches differed)."""
+    """Where the probe accepts a form for the default model's input groups (eight rows under eight rank-16
+    slots), 300 other random batches get the per-slot terms' bits from it too. bfloat16 slots round the down
+    product before the up products, so a probe of the terms alone passed by luck on a host whose down product
+    rounds by its width (Zen 4 over 2048 channels: 7 of 200 batches differed)."""
     import jax
     import jax.numpy as jnp
 
@@ -192,20 +197,22 @@ def test_a_slot_batched_form_the_probe_accepts_holds_for_many_inputs(dtype):
     rank = 16
     owner = jnp.arange(rows, dtype=jnp.int32)
     rng = np.random.default_rng(11)
-    for d_in, d_out in ((640, 1024), (2048, 640)):
-        down = jnp.asarray(rng.standard_normal((d_in, slots, rank)), dtype)
-        up = jnp.asarray(rng.standard_normal((slots, rank, d_out)), dtype)
+    for d_in, outs in ((640, (1024, 256, 256)), (2048, (640,))):
+        down = jnp.asarray(rng.standard_normal((d_in, slots, len(outs), rank)), dtype)
+        ups = [jnp.asarray(rng.standard_normal((slots, rank, d_out)), dtype) for d_out in outs]
         for form, terms in SLOT_BATCHED_FORMS.items():
-            if not slot_form_exact(form, ((d_in, d_out),), rows, slots, rank, dtype):
+            if not slot_form_exact(form, ((d_in, outs),), rows, slots, rank, dtype):
                 continue
 
             @jax.jit
-            def differ(xs: jax.Array, terms=terms, down=down, up=up) -> jax.Array:
-                return jax.lax.map(lambda x: jnp.any(per_slot_terms(x, owner, down, up)
-                                                     != terms(x, owner, down, up)), xs)
+            def differ(xs: jax.Array, terms=terms, down=down, ups=ups) -> jax.Array:
+                def one(x: jax.Array) -> jax.Array:
+                    return jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
+                        per_slot_terms(x, owner, down, ups), terms(x, owner, down, ups), strict=True)]))
+                return jax.lax.map(one, xs)
 
-            xs = jnp.asarray(rng.standard_normal((300, rows, d_in)), jnp.float32)
-            assert not bool(jnp.any(differ(xs))), (form, d_in, d_out, int(jnp.sum(differ(xs))))
+            found = differ(jnp.asarray(rng.standard_normal((300, rows, d_in)), jnp.float32))
+            assert not bool(jnp.any(found)), (form, d_in, outs, int(jnp.sum(found)))
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])

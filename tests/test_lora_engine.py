@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -290,7 +291,8 @@ def test_bfloat16_slots_hold_half_the_bytes_and_stay_close_to_the_compute_dtype(
                   adapter_rank=RANK)
     full, half = (Engine(cfg, params, EngineConfig(**config, adapter_dtype=dtype), "float32")
                   for dtype in (None, "bfloat16"))
-    assert {str(a.dtype) for lp in half.params["layers"] for pair in lp["lora"].values() for a in pair} == {"bfloat16"}
+    assert {str(a.dtype) for a in jax.tree_util.tree_leaves([lp["lora"] for lp in half.params["layers"]])} == {
+        "bfloat16"}
     assert 2 * half.adapter_bytes_per_slot == full.adapter_bytes_per_slot
     assert half.kv_identity() != full.kv_identity()
     adapter = random_adapter(cfg, RANK, seed=1)
