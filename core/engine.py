@@ -97,9 +97,9 @@ class EngineConfig:
     # many adapters must read, the adapter products' inputs rounded to bfloat16 (accumulated in float32).
     adapter_dtype: str | None = None
     # A decode step whose rows use more adapter slots than this computes every slot's products at once (where the
-    # host rounds that as the per-slot pairs, `core.model.lora_delta`): on the default model (Zen 4) per-slot pairs
-    # cost ~8 ms for one slot in use and ~27 ms for eight, the wide form ~9.5 ms (float32) or ~6.5 ms (bfloat16
-    # slots) whatever the mix (docs/lora.md).
+    # host rounds that as the per-slot products, `core.model.lora_delta`): on the default model (Zen 4) per-slot
+    # products cost ~5-8 ms for one slot in use and ~30 ms for eight, the wide form ~11 ms (float32, not exact
+    # there) or ~7-8 ms (bfloat16 slots) whatever the mix (docs/lora.md).
     slot_batched_lora_over: int = 1
 
     def __post_init__(self) -> None:
