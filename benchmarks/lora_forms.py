@@ -4,8 +4,9 @@ of one decode step on the default model's projection shapes (18 layers, q/k/v/o 
 8 slots of rank 16), computed in each candidate form, alone, under the engine's pinned XLA flags.
 
 Forms timed (each for 8 rows under 8 different slots and 8 rows sharing one):
-- ``per_slot``: what `core.model.lora_delta` does, each used slot's `linear` pair over the rows (lax.cond);
-- ``per_slot_folded``: the same with q/k/v and gate/up folded into one down product per slot;
+- ``per_slot``: each used slot's `linear` pair per projection over the rows (lax.cond);
+- ``per_slot_folded``: the same with q/k/v and gate/up folded into one down product per slot (what
+  `core.model.lora_delta` does, there in the contracted-first layout, not this [out, in] one);
 - ``batched_slots``: one batched product over all slots (slots as the batch dimension), each row's own kept;
 - ``all_columns``: one product against every slot's A ([rows, S*R]), masked to the row's slot, then B;
 - ``gathered_reduce``: each row's matrices gathered, multiplied and summed (no dot).
