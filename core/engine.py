@@ -417,16 +417,17 @@ class Engine:
         requests run (every sampler, the smallest prefill chunk, the decode step over the smallest bucket, and
         there the batched prefill and both verify steps that several of them arriving together use: a
         restarted server's first wave of streams runs at full speed, its slowest stream, which ends alone,
-        included). The masked samplers (~0.2 s each) load before ready too: loaded right after it, they shared
-        a 2-core host with the first wave (first / loaded wave 0.86x-0.99x over three restarts on the AMX
-        Xeon, 0.93x-0.99x with them before ready, ready no later). The rest follow on the background thread,
-        the smallest bucket first; a request needing one of them waits for it, and the other speedups (larger
-        buckets) are left out until theirs are compiled."""
+        included), and the slot copy (a stream whose prompt prefix another slot holds copies it: left to load
+        on demand, it loaded during every restart's first wave). The masked samplers (~0.2 s each) load before
+        ready too: loaded right after it, they shared a 2-core host with the first wave (first / loaded wave
+        0.86x-0.99x over three restarts on the AMX Xeon, 0.93x-0.99x with them before ready, ready no later).
+        The rest follow on the background thread, the smallest bucket first; a request needing one of them
+        waits for it, and the other speedups (larger buckets) are left out until theirs are compiled."""
         first = self.buckets[0]
         if key[0] in ("sample", "sample_row"):
             return True
         return key in {("decode", first), ("prefill_rows", first), ("verify_rows", first), ("verify", first),
-                       ("prefill", self.config.chunk_sizes[0], first)}
+                       ("prefill", self.config.chunk_sizes[0], first), ("copy", first)}
 
     def _background_order(self, key: ProgramKey) -> tuple[int, bool]:
         """Smallest bucket first; within a bucket what every request may need before the speedups."""

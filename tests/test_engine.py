@@ -515,7 +515,7 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     eng = Engine(cfg, params, config, "float32")
     eng.warmup(background=True, first_runs=True)
     first = {key for key in eng.programs if eng._first_needed(key)}
-    assert {("decode", 16), ("prefill", 4, 16), ("prefill_rows", 16), ("verify", 16)} <= first
+    assert {("decode", 16), ("prefill", 4, 16), ("prefill_rows", 16), ("verify", 16), ("copy", 16)} <= first
     assert {key for key in eng.programs if key[0].startswith("sample")} <= first  # the masked ones too
     assert all(eng.programs[key].calls == 1 for key in first)
     eng.programs.background.join(timeout=300)
