@@ -315,13 +315,20 @@ def times_in_blocks(x: jax.Array, w: jax.Array) -> jax.Array:
     return total
 
 
+def slot_down(x: jax.Array, down: jax.Array, slot: int | jax.Array) -> jax.Array:
+    """x [n, in] against one slot's A matrices of an input group (down [in, S, G, R]) in one product:
+    [n, G*R]; ``slot`` may be traced."""
+    d_in, _, groups, rank = down.shape
+    return times_in_blocks(x, jax.lax.dynamic_index_in_dim(down, slot, axis=1, keepdims=False).reshape(
+        d_in, groups * rank))
+
+
 def slot_terms(x: jax.Array, down: jax.Array, ups: list[jax.Array], slot: int | jax.Array) -> list[jax.Array]:
     """x [n, in] through one adapter slot of an input group (`core.lora.pack_group` layouts: down
-    [in, S, G, R], ups G x [S, R, out]): x @ [A_1 .. A_G]^T in one product, then each projection's part
-    @ (scale B)^T; ``slot`` may be traced. -> G x [n, out]."""
-    d_in, _, groups, rank = down.shape
-    a = jax.lax.dynamic_index_in_dim(down, slot, axis=1, keepdims=False).reshape(d_in, groups * rank)
-    h = times_in_blocks(x, a)
+    [in, S, G, R], ups G x [S, R, out]): `slot_down`, then each projection's part @ (scale B)^T; ``slot``
+    may be traced. -> G x [n, out]."""
+    rank = down.shape[3]
+    h = slot_down(x, down, slot)
     return [times(h[:, j * rank:(j + 1) * rank], jax.lax.dynamic_index_in_dim(up, slot, axis=0, keepdims=False))
             for j, up in enumerate(ups)]
 
@@ -410,9 +417,7 @@ def slot_form_exact(form: str, shapes: tuple[tuple[int, tuple[int, ...]], ...], 
     def agree(cases: list[tuple[Any, ...]]) -> jax.Array:
         checks = []
         for x, down, ups in cases:
-            d_in, _, groups, _ = down.shape
-            own_down = jnp.stack([times_in_blocks(x, down[:, slot].reshape(d_in, -1)) for slot in range(slots)],
-                                 axis=1)
+            own_down = jnp.stack([slot_down(x, down, slot) for slot in range(slots)], axis=1)
             checks.append(jnp.array_equal(own_down, wide_down(x, down).reshape(rows, slots, -1)))
             checks += [jnp.array_equal(a, b) for a, b in zip(per_slot_terms(x, owner, down, ups),
                                                               SLOT_BATCHED_FORMS[form](x, owner, down, ups),
