@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from test_server_helpers import VOCAB, free_port, wait_until
+from test_server_helpers import VOCAB, free_port, is_ready, ready_reply, wait_until
 
 pytestmark = pytest.mark.slow  # builds a transformers checkpoint; two real server starts
 
@@ -46,10 +46,7 @@ def start(config: Path, cache: Path, log: Path) -> tuple[subprocess.Popen, str]:
     def ready() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return is_ready(url)
 
     wait_until(ready, timeout=300, interval=0.2)
     return proc, url
@@ -72,13 +69,13 @@ def test_a_restart_loads_weights_and_programs_from_its_caches(checkpoint, tmp_pa
     for _ in range(2):
         proc, url = start(config, cache, log)
         try:
-            readies.append(httpx.get(f"{url}/ready", timeout=5).json())
+            readies.append(ready_reply(url).json())
             reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
                 "model": "assistant", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
             assert reply.status_code == 200, reply.text
             # Every program compiled before the stop, so the next start finds each one in the caches.
             wait_until(partial(all_compiled, url), timeout=300, interval=0.5)
-            finals.append(httpx.get(f"{url}/ready", timeout=5).json()["programs"])
+            finals.append(ready_reply(url).json()["programs"])
         finally:
             stop(proc)
     first, second = readies
@@ -96,7 +93,10 @@ def test_a_restart_loads_weights_and_programs_from_its_caches(checkpoint, tmp_pa
 
 
 def all_compiled(url: str) -> bool:
-    programs = httpx.get(f"{url}/ready", timeout=5).json()["programs"]
+    reply = ready_reply(url)
+    if reply is None:
+        return False
+    programs = reply.json()["programs"]
     return programs["compiled"] == programs["total"]
 
 

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from test_server_helpers import LiveServer, server_config, tiny_runtime, wait_until
+from test_server_helpers import LiveServer, is_ready, server_config, tiny_runtime, wait_until
 
 from agents.chat_params import ChatParams
 from agents.service import ChatService
@@ -750,7 +750,7 @@ def test_ready_is_503_until_the_runtime_is_warm(runtime):
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
         assert "slotserve_ready 0.0" in httpx.get(f"{srv.url}/metrics").text
         gate.set()
-        wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, timeout=10)
+        wait_until(lambda: is_ready(srv.url), timeout=10)
         r = httpx.post(f"{srv.url}/v1/chat/completions",
                        json={"model": "assistant", "messages": USER, "max_tokens": 2}, timeout=60)
         assert r.status_code == 200

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import RedisServer, free_port, wait_until
+from test_server_helpers import RedisServer, free_port, is_ready, wait_until
 
 TINY_SERVER = Path(__file__).resolve().parent / "tiny_server.py"
 LEASE_S = 1.5  # the dead server's holds lapse this fast here (30 s by default)
@@ -35,10 +35,7 @@ class ServerProcess:
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(f"the server exited with {self.proc.returncode}; see {self.log.name}")
-        try:
-            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return is_ready(self.url)
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)

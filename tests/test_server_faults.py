@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from test_server_helpers import LiveServer, build_tiny_runtime, free_port, server_config, wait_until
+from test_server_helpers import LiveServer, build_tiny_runtime, free_port, is_ready, server_config, wait_until
 
 from server.app import create_app
 
@@ -86,7 +86,7 @@ def test_serve_exits_nonzero_when_the_engine_loop_dies(doomed_runtime, monkeypat
     thread = threading.Thread(target=lambda: result.setdefault("rc", run_serve(args)), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _ready(url), timeout=120)
+    wait_until(lambda: is_ready(url), timeout=120)
     doomed_runtime.break_engine.set()
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": "assistant", "messages": USER, "max_tokens": 4},
                    timeout=60)
@@ -94,9 +94,3 @@ def test_serve_exits_nonzero_when_the_engine_loop_dies(doomed_runtime, monkeypat
     thread.join(60)
     assert result.get("rc") == 3
 
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -106,7 +106,7 @@ class LiveServer:
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.02)
         if wait_ready:
-            wait_until(lambda: httpx.get(f"{self.url}/ready").status_code == 200, timeout)
+            wait_until(lambda: is_ready(self.url), timeout)
         return self
 
     def stop(self) -> None:
@@ -118,6 +118,25 @@ class LiveServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# How long one readiness poll waits for an answer. A server compiling its programs beside another test
+# worker on a 2-core host answered /ready in over 5 s (httpx's default) at times: a poll that gets no answer
+# in time counts as "not yet", and the poll loop's own deadline decides.
+READY_POLL_TIMEOUT_S = 30.0
+
+
+def ready_reply(url: str) -> httpx.Response | None:
+    """The server's answer to GET /ready, or None when it gives none in time (or refuses the connection)."""
+    try:
+        return httpx.get(f"{url}/ready", timeout=READY_POLL_TIMEOUT_S)
+    except httpx.HTTPError:
+        return None
+
+
+def is_ready(url: str) -> bool:
+    reply = ready_reply(url)
+    return reply is not None and reply.status_code == 200
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> None:
