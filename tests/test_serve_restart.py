@@ -69,13 +69,13 @@ def test_a_restart_loads_weights_and_programs_from_its_caches(checkpoint, tmp_pa
     for _ in range(2):
         proc, url = start(config, cache, log)
         try:
-            readies.append(ready_reply(url).json())
+            readies.append(ready_body(url))
             reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
                 "model": "assistant", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
             assert reply.status_code == 200, reply.text
             # Every program compiled before the stop, so the next start finds each one in the caches.
             wait_until(partial(all_compiled, url), timeout=300, interval=0.5)
-            finals.append(ready_reply(url).json()["programs"])
+            finals.append(ready_body(url)["programs"])
         finally:
             stop(proc)
     first, second = readies
@@ -90,6 +90,12 @@ def test_a_restart_loads_weights_and_programs_from_its_caches(checkpoint, tmp_pa
         assert counts["from_program_store"] == counts["compiled"]
         assert counts["from_compile_cache"] == counts["compiled"]
     assert finals[1]["compiled"] == finals[1]["total"]
+
+
+def ready_body(url: str) -> dict:
+    reply = ready_reply(url)
+    assert reply is not None, f"{url}/ready gave no answer in time"
+    return reply.json()
 
 
 def all_compiled(url: str) -> bool:
