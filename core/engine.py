@@ -256,7 +256,11 @@ class Engine:
         # Decode and both verify steps read the sliding layers through one view length, so their rows
         # compute alike bit for bit (core.kv_cache.sliding_view_length).
         model = {"cfg": cfg, "view_width": max(config.verify_tokens, config.rows_verify_width, 1)}
-        self.sampler: SamplerState = init_state(config.num_slots, cfg.vocab_size, history=config.max_len)
+        # Committed to the device, as every program's outputs are: a plain jit (the sampling-parameter install)
+        # compiles once per committed-ness of its arguments, so a state that starts uncommitted and turns
+        # committed after the first step would compile that install again during the first requests.
+        self.sampler: SamplerState = jax.device_put(
+            init_state(config.num_slots, cfg.vocab_size, history=config.max_len), jax.devices()[0])
         self.programs = ProgramTable(self._build_programs(model), self._example_args, self._first_needed,
                                      self._background_order)
         # A KV cache that the first runs before ready pass on to each other (`first_run`); None after ready,
@@ -451,7 +455,8 @@ class Engine:
         # The install of sampling parameters has two shapes (one admission, or several): both are compiled
         # and run once now, so that no request compiles one (on an accelerator too).
         begin = time.perf_counter()
-        zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract(self.sampler))
+        zeros = jax.device_put(jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract(self.sampler)),
+                               jax.devices()[0])  # committed, like the live state (see `__init__`)
         for n in (1, self.num_slots):
             jax.block_until_ready(set_slots(zeros, [SlotRequest(s, SamplingParams(), [], 0) for s in range(n)]))
         return seconds + time.perf_counter() - begin

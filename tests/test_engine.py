@@ -529,6 +529,11 @@ def test_with_first_runs_every_program_has_run_once_when_warmed_up(compile_cache
     eng.begin_request(1, SamplingParams(temperature=0.5), [3, 4], seed=1)
     eng.begin_requests([sampling.SlotRequest(s, SamplingParams(), [5], s) for s in (0, 2)])
     assert sampling._write_slots._cache_size() == compiled
+    # Nor after a step, whose programs' outputs (the sampler state among them) are committed to the device.
+    eng.sample(jnp.zeros((SLOTS, cfg.vocab_size), jnp.float32), np.ones(SLOTS, bool), np.zeros(SLOTS, np.int32))
+    eng.begin_requests([sampling.SlotRequest(s, SamplingParams(), [5], s) for s in (0, 1)])
+    eng.begin_request(2, SamplingParams(), [6], seed=2)
+    assert sampling._write_slots._cache_size() == compiled
     # Everything compiled before ready (a batch run): only the first requests' programs run ahead.
     batch = Engine(cfg, params, config, "float32")
     batch.warmup(first_runs=True)
