@@ -16,7 +16,7 @@ from core.engine import FOLLOWING
 from core.sampling import batch_needs_full
 from scheduler.plan import PrefillChunk, StepPlan, StepRow
 from scheduler.sequence import SeqState, Sequence
-from scheduler.speculation import speculation_allowed
+from scheduler.speculation import DraftRate, speculation_allowed
 
 if TYPE_CHECKING:
     from core.engine import Engine
@@ -79,7 +79,7 @@ class Planner:
     all computed yet (the scheduler's update step removes those that finish)."""
 
     def __init__(self, engine: Engine, kv: KVCacheManager, admission: Admission, prefill_budget: int,
-                 speculative: bool, times: StepTimes, adapters: AdapterSlots) -> None:
+                 speculative: bool, times: StepTimes, adapters: AdapterSlots, drafts: DraftRate) -> None:
         self.engine = engine
         self.kv = kv
         self.admission = admission
@@ -87,6 +87,7 @@ class Planner:
         self.prefill_budget = prefill_budget
         self.speculative = speculative
         self.times = times
+        self.drafts = drafts  # the pooled acceptance of recent drafts (the scheduler records each verify step)
         self.prefilling: deque[Sequence] = deque()
 
     def plan(self) -> StepPlan:
@@ -242,7 +243,8 @@ class Planner:
             return []
         drafts = [seq.draft(min(room, seq.max_tokens - len(seq.generated)) - 1)
                   for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
-        expected = sum(sum(seq.draft_acceptance ** i for i in range(len(draft) + 1))
+        prior = self.drafts.rate
+        expected = sum(sum(seq.draft_acceptance(prior) ** i for i in range(len(draft) + 1))
                        for seq, draft in zip(running, drafts, strict=True))
         worth = expected > len(running) * self.times.rows_verify_cost()
         retry = expected > len(running) and self.times.verify_stale()  # some draft, and an old figure

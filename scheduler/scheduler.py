@@ -56,6 +56,7 @@ from scheduler.request import (
 from scheduler.sequence import SeqState, Sequence
 from scheduler.slots import Slot
 from scheduler.snapshot import SchedulerSnapshot, SnapshotPublisher
+from scheduler.speculation import DraftRate
 from scheduler.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -130,10 +131,11 @@ class Scheduler:
             self.disk)
         self.admission = Admission(self.config.max_waiting)
         self.times = StepTimes()
+        self.drafts = DraftRate()
         self.adapters = AdapterSlots(engine)
         self.planner = Planner(engine, self.kv, self.admission,
                                self.config.prefill_budget or max(engine.config.chunk_sizes),
-                               self.config.speculative, self.times, self.adapters)
+                               self.config.speculative, self.times, self.adapters, self.drafts)
         self.stats = SchedulerStats()
         self.iteration = 0
         self._inbox: queue.Queue[Sequence] = queue.Queue()
@@ -382,6 +384,8 @@ class Scheduler:
             self.stats.batched_speculative_steps += bool(plan.verify_rows)
             for row in verified:
                 self._accept_verified(row, outcome.verified[row.seq.id])
+            self.drafts.record(sum(len(row.inputs) - 1 for row in verified),
+                               sum(len(outcome.verified[row.seq.id]) - 1 for row in verified))
 
     def _accept_verified(self, row: StepRow, out: list[int]) -> None:
         """Deliver a verify step's tokens: out[i] follows row.inputs[i]; stops early if the sequence finishes."""

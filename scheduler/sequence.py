@@ -11,7 +11,7 @@ from core.dry import RepeatLimit
 from core.tokenizer import IncrementalDetokenizer
 from scheduler.budget_close import BudgetClose
 from scheduler.request import GenerationRequest, RequestHandle
-from scheduler.speculation import DraftIndex
+from scheduler.speculation import PRIOR_WEIGHT, DraftIndex
 from scheduler.stop_strings import StopMatcher
 
 
@@ -59,10 +59,10 @@ class Sequence:
         self.draft_index.extend(self.generated[len(self.draft_index.tokens) - len(self.prompt):])
         return self.draft_index.draft(max_tokens)
 
-    @property
-    def draft_acceptance(self) -> float:
-        """Estimated chance that a drafted token is accepted (Laplace's rule over this sequence's history)."""
-        return (self.accepted + 1) / (self.drafted + 2)
+    def draft_acceptance(self, prior: float = 0.5) -> float:
+        """Estimated chance that a drafted token is accepted: this sequence's record, starting from ``prior``
+        (`scheduler.speculation.DraftRate`: what recent streams' drafts did) worth PRIOR_WEIGHT drafts."""
+        return (self.accepted + PRIOR_WEIGHT * prior) / (self.drafted + PRIOR_WEIGHT)
 
     @property
     def prompt(self) -> tuple[int, ...]:

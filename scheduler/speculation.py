@@ -62,3 +62,32 @@ def speculation_allowed(sampling: SamplingParams, constrained: bool, wants_logpr
     penalties and logit bias change the token choice; grammar masks and logprobs need the sampler."""
     return (sampling.temperature == 0 and not sampling.needs_full and not sampling.logit_bias
             and not sampling.logprobs and not constrained and not wants_logprobs)
+
+
+# A stream's own record counts against a prior worth this many drafted tokens (2 with an even prior is
+# Laplace's rule).
+PRIOR_WEIGHT = 2.0
+# The pooled record fades by this factor per verify step, so it describes about the last 20 steps' drafts.
+POOLED_DECAY = 0.95
+
+
+class DraftRate:
+    """How often recent drafts were accepted, pooled over every stream (older verify steps fading): the prior
+    a stream's own acceptance estimate starts from. Streams of one workload draft alike (an agent copying its
+    JSON keys, a base model repeating its prompt), so a new stream is judged by its neighbours' record rather
+    than an even chance; until a stream has its own, an even prior declined batched verify steps whose drafts
+    were accepted three times in four (a wave of 8 greedy streams on the Intel AMX host)."""
+
+    def __init__(self) -> None:
+        self.drafted = 0.0
+        self.accepted = 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verify step's drafted and accepted tokens, over every row it verified."""
+        self.drafted = POOLED_DECAY * self.drafted + drafted
+        self.accepted = POOLED_DECAY * self.accepted + accepted
+
+    @property
+    def rate(self) -> float:
+        """The pooled chance that a drafted token is accepted (an even chance before any draft)."""
+        return (self.accepted + 1) / (self.drafted + 2)

@@ -399,6 +399,38 @@ def test_batched_verify_is_skipped_when_it_costs_more_than_its_drafts_gain(exact
     assert sched.stats.batched_speculative_steps == 0  # (a stream left alone may still verify on its own)
 
 
+def test_new_streams_start_from_the_pooled_draft_record(exact_engine, tokenizer, monkeypatch):
+    """A batched verify dearer than drafts of two at an even chance pay for (1.9 decode steps against 1.75
+    expected tokens a row) is declined for new streams with no record; once recent streams' drafts were
+    accepted 95 times in 100, new streams start from that record and verify from their first steps, with the
+    outputs of plain decoding either way."""
+    reqs = [request(ids(60 + i, 6 + i) * 4, max_tokens=12) for i in range(3)]
+    plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
+    runs = {}
+    for pooled in (None, (100, 95)):
+        sched = make(exact_engine, tokenizer, prefix_caching=False)
+        monkeypatch.setattr(sched.times, "rows_verify_cost", lambda: 1.9)
+        if pooled:
+            sched.drafts.record(*pooled)
+        assert [g[0] for g in run_all(sched, reqs)] == [p[0] for p in plain]
+        runs[pooled] = sched.stats.batched_speculative_steps
+    assert runs[None] == 0 and runs[(100, 95)] > 0
+
+
+def test_the_pooled_draft_record_follows_recent_verify_steps() -> None:
+    from scheduler.speculation import POOLED_DECAY, DraftRate
+
+    rate = DraftRate()
+    assert rate.rate == 0.5  # no draft yet: an even chance
+    for _ in range(100):
+        rate.record(16, 4)  # a quarter accepted, for long
+    assert rate.rate == pytest.approx(0.25, abs=0.01)
+    for _ in range(60):  # then every draft accepted: the old record fades
+        rate.record(16, 16)
+    assert rate.rate > 0.95
+    assert POOLED_DECAY < 1
+
+
 def test_no_batched_verify_where_products_are_not_exact(engine, tokenizer):
     """float32 GEMMs may round differently by row count, so the float engine never verifies in a batch."""
     assert not engine.rows_verify_exact
