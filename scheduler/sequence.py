@@ -59,7 +59,7 @@ class Sequence:
         self.draft_index.extend(self.generated[len(self.draft_index.tokens) - len(self.prompt):])
         return self.draft_index.draft(max_tokens)
 
-    def draft_acceptance(self, prior: float = 0.5) -> float:
+    def draft_acceptance(self, prior: float) -> float:
         """Estimated chance that a drafted token is accepted: this sequence's record, starting from ``prior``
         (`scheduler.speculation.DraftRate`: what recent streams' drafts did) worth PRIOR_WEIGHT drafts."""
         return (self.accepted + PRIOR_WEIGHT * prior) / (self.drafted + PRIOR_WEIGHT)
