@@ -72,6 +72,10 @@ class StepRow:
     seq: Sequence
     inputs: list[int]
     start: int
+    # A decode row's prompt-lookup draft that the planner weighed and did not verify: the scheduler checks its
+    # first token against the token decoded, so acceptance estimates keep learning while verify steps are
+    # declined (a judgement made on a stream's first, unlucky drafts would otherwise stand until a retry).
+    declined: list[int] = field(default_factory=list)
 
 
 @dataclass

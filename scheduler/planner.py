@@ -186,12 +186,16 @@ class Planner:
         # A lone stream verifies on its own (more drafts per pass) once that program is loaded; until then (a
         # restarted server's first wave ends with its slowest stream alone) the batched verify serves it.
         lone = running[0] if len(running) == 1 else None
+        declined: dict[int, list[int]] = {}
         if lone is not None and self._may_speculate(lone) and self.engine.compiled_for("verify", [self.kv.held(lone)]):
             plan.verify = self._speculate(lone)
         else:
-            plan.verify_rows = self._speculate_rows(running)
+            weighed, worth = self._speculate_rows(running)
+            plan.verify_rows = weighed if worth else []
+            declined = {row.seq.id: row.inputs[1:] for row in weighed if not worth}
         if plan.verify is None and not plan.verify_rows:
-            plan.decode = [StepRow(seq, [seq.generated[-1]], self.kv.held(seq)) for seq in running]
+            plan.decode = [StepRow(seq, [seq.generated[-1]], self.kv.held(seq), declined.get(seq.id, []))
+                           for seq in running]
 
     def follow_on(self, plan: StepPlan, arrivals: bool) -> StepPlan | None:
         """The next iteration's plan, built before ``plan``'s tokens are read, when it can only be a decode
@@ -232,15 +236,15 @@ class Planner:
         draft = seq.draft(room)
         return StepRow(seq, [seq.generated[-1], *draft], start) if draft else None
 
-    def _speculate_rows(self, running: list[Sequence]) -> list[StepRow]:
+    def _speculate_rows(self, running: list[Sequence]) -> tuple[list[StepRow], bool]:
         """A batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
-        when the drafts' expected accepted tokens per second beat a decode step's, or to measure the verify
-        step again once its figure is stale; []: decode as usual."""
+        and whether to run it: when the drafts' expected accepted tokens per second beat a decode step's, or to
+        measure the verify step again once its figure is stale. ([], False): no verify step was weighed."""
         if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):
-            return []
+            return [], False
         starts = [self.kv.held(seq) for seq in running]
         if not self.engine.compiled_for("verify_rows", starts):  # still compiling after start-up
-            return []
+            return [], False
         drafts = [seq.draft(min(room, seq.max_tokens - len(seq.generated)) - 1)
                   for seq, room in zip(running, self.engine.rows_verify_room(starts), strict=True)]
         prior = self.drafts.rate
@@ -248,7 +252,6 @@ class Planner:
                        for seq, draft in zip(running, drafts, strict=True))
         worth = expected > len(running) * self.times.rows_verify_cost()
         retry = expected > len(running) and self.times.verify_stale()  # some draft, and an old figure
-        if not (worth or retry):
-            return []
-        return [StepRow(seq, [seq.generated[-1], *draft], start)
+        rows = [StepRow(seq, [seq.generated[-1], *draft], start)
                 for seq, draft, start in zip(running, drafts, starts, strict=True)]
+        return rows, worth or retry

@@ -377,6 +377,7 @@ class Scheduler:
             for row in plan.decode:
                 self.kv.extend(row.seq.slot, row.inputs)
                 self._accept(row.seq, outcome.decoded, row.seq.slot)
+            self._record_declined(plan.decode, outcome.decoded)
         verified = [plan.verify] if plan.verify is not None else plan.verify_rows
         if verified:
             self.stats.decode_steps += 1
@@ -386,6 +387,17 @@ class Scheduler:
                 self._accept_verified(row, outcome.verified[row.seq.id])
             self.drafts.record(sum(len(row.inputs) - 1 for row in verified),
                                sum(len(outcome.verified[row.seq.id]) - 1 for row in verified))
+
+    def _record_declined(self, rows: list[StepRow], decoded: SampleResult) -> None:
+        """Drafts weighed for a verify step that was declined: whether each one's first token is the token the
+        decode step gave, recorded as a verify step of one-token drafts would record it (the stream's own
+        estimate and the pooled one), so the estimates follow the drafts while streams decode."""
+        hits = [(row.seq, row.declined[0] == int(decoded.tokens[row.seq.slot])) for row in rows if row.declined]
+        for seq, hit in hits:
+            seq.drafted += 1
+            seq.accepted += hit
+        if hits:
+            self.drafts.record(len(hits), sum(hit for _, hit in hits))
 
     def _accept_verified(self, row: StepRow, out: list[int]) -> None:
         """Deliver a verify step's tokens: out[i] follows row.inputs[i]; stops early if the sequence finishes."""

@@ -67,7 +67,7 @@ def speculation_allowed(sampling: SamplingParams, constrained: bool, wants_logpr
 # A stream's own record counts against a prior worth this many drafted tokens (2 with an even prior is
 # Laplace's rule).
 PRIOR_WEIGHT = 2.0
-# The pooled record fades by this factor per verify step, so it describes about the last 20 steps' drafts.
+# The pooled record fades by this factor per step recorded, so it describes about the last 20 steps' drafts.
 POOLED_DECAY = 0.95
 
 
@@ -83,7 +83,8 @@ class DraftRate:
         self.accepted = 0.0
 
     def record(self, drafted: int, accepted: int) -> None:
-        """One verify step's drafted and accepted tokens, over every row it verified."""
+        """One step's drafted and accepted tokens over its rows: a verify step's, or a decode step's declined
+        drafts (their first tokens, checked against the tokens decoded)."""
         self.drafted = POOLED_DECAY * self.drafted + drafted
         self.accepted = POOLED_DECAY * self.accepted + accepted
 

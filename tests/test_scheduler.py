@@ -403,18 +403,41 @@ def test_new_streams_start_from_the_pooled_draft_record(exact_engine, tokenizer,
     """A batched verify dearer than drafts of two at an even chance pay for (1.9 decode steps against 1.75
     expected tokens a row) is declined for new streams with no record; once recent streams' drafts were
     accepted 95 times in 100, new streams start from that record and verify from their first steps, with the
-    outputs of plain decoding either way."""
+    outputs of plain decoding either way. (The prior alone: declined drafts checked against decode steps, which
+    correct it, are left out here; the next test covers them.)"""
     reqs = [request(ids(60 + i, 6 + i) * 4, max_tokens=12) for i in range(3)]
     plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
     runs = {}
     for pooled in (None, (100, 95)):
         sched = make(exact_engine, tokenizer, prefix_caching=False)
         monkeypatch.setattr(sched.times, "rows_verify_cost", lambda: 1.9)
+        monkeypatch.setattr(sched, "_record_declined", lambda *args: None)
         if pooled:
             sched.drafts.record(*pooled)
         assert [g[0] for g in run_all(sched, reqs)] == [p[0] for p in plain]
         runs[pooled] = sched.stats.batched_speculative_steps
     assert runs[None] == 0 and runs[(100, 95)] > 0
+
+
+def test_declined_drafts_checked_against_decode_steps_bring_verify_steps_back(exact_engine, tokenizer,
+                                                                              monkeypatch):
+    """Drafts judged hopeless from a poor record (recent drafts accepted 0 times in 100) are declined, but each
+    declined draft's first token is checked against the token the decode step gave: as the streams fall into
+    repeats their drafts match, the estimates rise and batched verify steps resume, with plain decoding's
+    outputs. Without those checks nothing would correct the record and the streams would decode to the end."""
+    reqs = [request(ids(60 + i, 6 + i) * 4, max_tokens=40) for i in range(3)]
+    plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
+    runs = {}
+    for checked in (True, False):
+        sched = make(exact_engine, tokenizer, prefix_caching=False)
+        monkeypatch.setattr(sched.times, "rows_verify_cost", lambda: 1.5)
+        if not checked:
+            monkeypatch.setattr(sched, "_record_declined", lambda *args: None)
+        sched.drafts.record(100, 0)
+        assert [g[0] for g in run_all(sched, reqs)] == [p[0] for p in plain]
+        runs[checked] = (sched.stats.batched_speculative_steps, sched.stats.decode_steps, sched.drafts.rate)
+    assert runs[True][0] > 0 and runs[True][1] < runs[False][1]
+    assert runs[False][0] == 0 and runs[True][2] > 10 * runs[False][2]
 
 
 def test_the_pooled_draft_record_follows_recent_verify_steps() -> None:
