@@ -6,6 +6,7 @@ slots, which programs are compiled) and calls nothing on it.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -34,9 +35,11 @@ MAX_PADDING_SHARE = 0.25
 # The batched prefill costs about a full row of every slot, so it runs only when this share of the slots
 # (and at least 2 prefills) would use it.
 MIN_ROW_PREFILL_SHARE = 0.5
-# Step times are smoothed (exponential moving average, this weight on the newest) so one slow step (a GC
-# pause, a compile after start-up) does not flip the speculation decision.
-STEP_TIME_SMOOTHING = 0.2
+# A step kind's time is the median of its last this many measurements: one slow step (a GC pause, the host
+# busy elsewhere; 1 in ~20 batched verify steps took 1.4-1.7x the others on the Zen 5 host) does not move it,
+# where a moving average let each such step raise the verify figure by 10-15% and, when the drafts' margin was
+# thinner than that, decline verify steps until the stale-figure retry.
+STEP_TIME_WINDOW = 5
 # A batched verify judged too dear is retried after this many decode steps without one: a single slow
 # measurement (a restarted server loading programs beside the first wave) would otherwise stand for good,
 # since only a verify step corrects it. The retry's time replaces the stale figure; at worst (verify never
@@ -45,27 +48,31 @@ VERIFY_RETRY_STEPS = 32
 
 
 class StepTimes:
-    """Wall seconds of recent decode steps and batched verify steps (moving averages), for the choice between
-    them; None until measured."""
+    """Wall seconds of recent decode steps and batched verify steps (the median of each kind's last
+    STEP_TIME_WINDOW), for the choice between them."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float | None] = {"decode": None, "verify_rows": None}
+        self.recent: dict[str, deque[float]] = {kind: deque(maxlen=STEP_TIME_WINDOW)
+                                                for kind in ("decode", "verify_rows")}
         self.decodes_since_verify = 0  # decode steps recorded since the last batched verify step
 
+    @property
+    def seconds(self) -> dict[str, float | None]:
+        """Each kind's figure: the median of its recent steps (None until one was measured)."""
+        return {kind: statistics.median(times) if times else None for kind, times in self.recent.items()}
+
     def record(self, kind: str, seconds: float) -> None:
-        last = self.seconds[kind]
         if kind == "verify_rows":
             if self.verify_stale():
-                last = None  # a retry: the stale figure is replaced, not averaged with
+                self.recent[kind].clear()  # a retry: the stale figures are replaced, not pooled with
             self.decodes_since_verify = 0
         elif kind == "decode":
             self.decodes_since_verify += 1
-        self.seconds[kind] = seconds if last is None else (
-            (1 - STEP_TIME_SMOOTHING) * last + STEP_TIME_SMOOTHING * seconds)
+        self.recent[kind].append(seconds)
 
     def verify_stale(self) -> bool:
         """Whether the batched verify's time is old enough to measure again (see VERIFY_RETRY_STEPS)."""
-        return self.seconds["verify_rows"] is not None and self.decodes_since_verify >= VERIFY_RETRY_STEPS
+        return bool(self.recent["verify_rows"]) and self.decodes_since_verify >= VERIFY_RETRY_STEPS
 
     def rows_verify_cost(self) -> float:
         """A batched verify step's time over a decode step's: measured once both ran, else a prior (about 1.5

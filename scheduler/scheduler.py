@@ -243,7 +243,7 @@ class Scheduler:
 
     @property
     def step_seconds(self) -> dict[str, float | None]:
-        """The smoothed wall time of decode steps and batched verify steps (None until one ran)."""
+        """The recent (median) wall time of decode steps and batched verify steps (None until one ran)."""
         return self.times.seconds
 
     def waiting_by_group(self) -> dict[str, int]:

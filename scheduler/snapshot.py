@@ -86,7 +86,7 @@ class SchedulerSnapshot:
     counters: dict[str, int]  # Scheduler.counters()
     host: dict[str, int]  # HostTier.stats(): bytes, nodes, hits, ...
     disk: dict[str, int] | None  # DiskTier.stats() (None: no disk tier)
-    decode_step_s: float | None  # the decode step's smoothed wall time (None before one ran)
+    decode_step_s: float | None  # the decode step's recent (median) wall time (None before one ran)
     verify_rows_step_s: float | None
     history: tuple[tuple[float, int, int], ...]  # (time.time(), prompt_tokens, cached_tokens) over HISTORY_S
 

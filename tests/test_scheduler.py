@@ -392,7 +392,8 @@ def test_batched_verify_is_skipped_when_it_costs_more_than_its_drafts_gain(exact
     reqs = [request(ids(60 + i, 6 + i) * 4, max_tokens=12) for i in range(3)]
     plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
     sched = make(exact_engine, tokenizer, prefix_caching=False)
-    sched.times.seconds = {"decode": 0.01, "verify_rows": 0.5}  # as if both had been measured
+    sched.times.record("decode", 0.01)  # as if both had been measured
+    sched.times.record("verify_rows", 0.5)
     assert sched.times.rows_verify_cost() == 50
     got = run_all(sched, reqs)
     assert [g[0] for g in got] == [p[0] for p in plain]
@@ -611,8 +612,25 @@ def test_a_stale_verify_time_is_measured_again() -> None:
     times.record("verify_rows", 0.015)
     assert times.seconds["verify_rows"] == 0.015 and not times.verify_stale()
     assert times.rows_verify_cost() == pytest.approx(1.5)
-    times.record("verify_rows", 0.025)  # fresh figures are smoothed as before
-    assert times.seconds["verify_rows"] == pytest.approx(0.8 * 0.015 + 0.2 * 0.025)
+    times.record("verify_rows", 0.025)  # fresh figures are pooled as before
+    assert times.seconds["verify_rows"] == pytest.approx(0.02)
+
+
+def test_one_slow_step_does_not_move_the_step_times() -> None:
+    """A step kind's figure is the median of its recent steps: one verify step three times as slow as the
+    others (a GC pause, the host busy elsewhere) leaves the verify-over-decode cost where it was, so it cannot
+    decline verify steps until the next retry; a lasting change moves it within a few steps."""
+    from scheduler.planner import STEP_TIME_WINDOW, StepTimes
+
+    times = StepTimes()
+    for _ in range(STEP_TIME_WINDOW):
+        times.record("decode", 0.03)
+        times.record("verify_rows", 0.05)
+    times.record("verify_rows", 0.15)
+    assert times.rows_verify_cost() == pytest.approx(0.05 / 0.03)
+    for _ in range(STEP_TIME_WINDOW // 2 + 1):
+        times.record("verify_rows", 0.08)  # the host slowed for good
+    assert times.rows_verify_cost() == pytest.approx(0.08 / 0.03)
 
 
 def test_streams_verify_again_after_a_verify_time_that_went_stale(exact_engine, tokenizer):
@@ -624,7 +642,8 @@ def test_streams_verify_again_after_a_verify_time_that_went_stale(exact_engine, 
     reqs = [request(ids(60 + i, 6 + i) * 8, max_tokens=VERIFY_RETRY_STEPS + 24) for i in range(3)]
     plain = run_all(make(exact_engine, tokenizer, speculative=False, prefix_caching=False), reqs)
     sched = make(exact_engine, tokenizer, prefix_caching=False)
-    sched.times.seconds = {"decode": 0.01, "verify_rows": 0.5}  # as if both had been measured
+    sched.times.record("decode", 0.01)  # as if both had been measured
+    sched.times.record("verify_rows", 0.5)
     got = run_all(sched, reqs)
     assert [g[0] for g in got] == [p[0] for p in plain]
     assert sched.stats.batched_speculative_steps >= 1
