@@ -77,7 +77,8 @@ class StepTimes:
     def rows_verify_cost(self) -> float:
         """A batched verify step's time over a decode step's: measured once both ran, else a prior (about 1.5
         on a 2-core CPU at 8 slots x 3 tokens)."""
-        decode, verify = self.seconds["decode"], self.seconds["verify_rows"]
+        figures = self.seconds
+        decode, verify = figures["decode"], figures["verify_rows"]
         return verify / decode if decode and verify else ROWS_VERIFY_COST_PRIOR
 
 
