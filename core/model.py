@@ -117,26 +117,27 @@ def sliding_view_positions(ends: jax.Array, length: int, align: int) -> jax.Arra
 
 
 def query_key(q: jax.Array, keys: jax.Array, accumulate: Any = None) -> jax.Array:
-    """Scores [B, kh, g, T, S] of queries q [B, T, kh, g, d] against keys [B, S, kh, d].
+    """Scores [B, T, kh, g, S] of queries q [B, T, kh, g, d] against keys [B, S, kh, d].
 
-    With one KV head (Gemma 3 270M, Gemma 4 E2B) the head axis is dropped so XLA sees a plain batched
-    matmul over the cache as it lies; the 5-D einsum made it transpose the cache (~3x slower on CPU)."""
+    Query-major: with one KV head (Gemma 3 270M, Gemma 4 E2B) the queries [B, T * g, d] are the rows of a plain
+    batched matmul over the cache as it lies, and the scores come out in the order the queries came in, so
+    neither side is transposed (a head-major [B, g, T, S] layout copied the int8 queries of every layer and
+    the 5-D einsum made XLA transpose the cache, ~3x slower on CPU)."""
     b, t, kh, g, d = q.shape
     if kh != 1:
-        return jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=accumulate)
-    rows = jnp.transpose(q[:, :, 0], (0, 2, 1, 3)).reshape(b, g * t, d)  # small: the queries only
-    scores = jnp.einsum("bqd,bsd->bqs", rows, keys[:, :, 0], preferred_element_type=accumulate)
-    return scores.reshape(b, 1, g, t, keys.shape[1])
+        return jnp.einsum("btkgd,bskd->btkgs", q, keys, preferred_element_type=accumulate)
+    scores = jnp.einsum("bqd,bsd->bqs", q.reshape(b, t * g, d), keys[:, :, 0], preferred_element_type=accumulate)
+    return scores.reshape(b, t, 1, g, keys.shape[1])
 
 
 def prob_value(probs: jax.Array, values: jax.Array, accumulate: Any = None) -> jax.Array:
-    """Weighted values [B, T, kh, g, d] from probs [B, kh, g, T, S] and values [B, S, kh, d] (see query_key)."""
-    b, kh, g, t, length = probs.shape
+    """Weighted values [B, T, kh, g, d] from probs [B, T, kh, g, S] and values [B, S, kh, d] (see query_key)."""
+    b, t, kh, g, length = probs.shape
     if kh != 1:
-        return jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=accumulate)
-    out = jnp.einsum("bqs,bsd->bqd", probs.reshape(b, g * t, length), values[:, :, 0],
+        return jnp.einsum("btkgs,bskd->btkgd", probs, values, preferred_element_type=accumulate)
+    out = jnp.einsum("bqs,bsd->bqd", probs.reshape(b, t * g, length), values[:, :, 0],
                      preferred_element_type=accumulate)
-    return jnp.transpose(out.reshape(b, g, t, -1), (0, 2, 1, 3))[:, :, None]
+    return out.reshape(b, t, 1, g, -1)
 
 
 # Keys per block of the float probabilities x values sum on CPU (`blocked_prob_value`).
@@ -155,17 +156,17 @@ def value_sum_block(*, quantized_kv: bool) -> int:
 
 
 def blocked_prob_value(probs: jax.Array, values: jax.Array, block: int) -> jax.Array:
-    """prob_value summed block by block in key order: probs [B, kh, g, T, S], values [B, S, kh, d] ->
+    """prob_value summed block by block in key order: probs [B, T, kh, g, S], values [B, S, kh, d] ->
     [B, T, kh, g, d]. Each block is one contraction of `block` keys (one shape in every call, so one rounding)
     and the blocks add up one after the other, so with the keys at the same indices modulo `block`
     (`sliding_view_positions`) masked blocks before or after the real ones add exact zeros and change
     nothing; the running sum keeps memory at one block's worth."""
-    b, kh, g, t, length = probs.shape
+    b, t, kh, g, length = probs.shape
     pad = -length % block
     probs = jnp.pad(probs, [(0, 0)] * 4 + [(0, pad)])
     values = jnp.pad(values, [(0, 0), (0, pad), (0, 0), (0, 0)])
     n_blocks = (length + pad) // block
-    prob_blocks = jnp.moveaxis(probs.reshape(b, kh, g, t, n_blocks, block), 4, 0)
+    prob_blocks = jnp.moveaxis(probs.reshape(b, t, kh, g, n_blocks, block), 4, 0)
     value_blocks = jnp.moveaxis(values.reshape(b, n_blocks, block, kh, values.shape[-1]), 1, 0)
 
     def add_block(total: jax.Array, pair: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
@@ -206,8 +207,8 @@ def attention(
         # per-head scale and the keys' per-position scales are applied to the scores.
         q8, q_scale = quantize_int8(qg)  # [B, T, kh, g, d], [B, T, kh, g]
         scores = query_key(q8, ck, jnp.int32).astype(jnp.float32)
-        scores = scores * jnp.transpose(q_scale, (0, 2, 3, 1))[..., None]
-        scores = scores * jnp.transpose(keys["k_scale"], (0, 2, 1))[:, :, None, None, :]
+        scores = scores * q_scale[..., None]
+        scores = scores * per_key(keys["k_scale"])
     else:
         scores = query_key(qg, ck)
     scores = scores.astype(jnp.float32) * scale
@@ -218,21 +219,26 @@ def attention(
     allowed = (kpos >= 0) & (kpos < held[:, None, None]) & (kpos <= qpos)  # stale entries past held: never
     if window is not None:
         allowed &= kpos > qpos - window
-    scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
+    scores = jnp.where(allowed[:, :, None, None, :], scores, MASK_VALUE)
     probs = softmax(scores).astype(q.dtype)
 
     if quantized:
         # Fold the values' per-position scales into the probabilities, quantize those per row, and
         # contract int8 x int8 again.
-        weighted = probs.astype(jnp.float32) * jnp.transpose(keys["v_scale"], (0, 2, 1))[:, :, None, None, :]
+        weighted = probs.astype(jnp.float32) * per_key(keys["v_scale"])
         p8, p_scale = quantize_int8(weighted)
         out = prob_value(p8, cv, jnp.int32).astype(jnp.float32)
-        out = (out * jnp.transpose(p_scale, (0, 3, 1, 2))[..., None]).astype(q.dtype)
+        out = (out * p_scale[..., None]).astype(q.dtype)
     elif value_block > 1:
         out = blocked_prob_value(probs, cv, value_block)
     else:
         out = prob_value(probs, cv)
     return out.reshape(b, t, nh * d)
+
+
+def per_key(scale: jax.Array) -> jax.Array:
+    """A cache view's per-position scales [B, S, kh] laid out against scores [B, T, kh, g, S]."""
+    return jnp.transpose(scale, (0, 2, 1))[:, None, :, None, :]
 
 
 def softmax(scores: jax.Array) -> jax.Array:

@@ -141,20 +141,20 @@ def test_float_scores_and_value_sums_do_not_depend_on_the_view_around_the_real_k
     Zen 4)."""
     queries = RNG.standard_normal((1, 128, 1, 4, HEAD)).astype(np.float32)  # [B, T, kh, g, d]
     real_keys, real_values = (RNG.standard_normal((KEYS, HEAD)).astype(np.float32) for _ in range(2))
-    probs = RNG.random((1, 1, 4, 128, KEYS)).astype(np.float32)  # [B, kh, g, T, S]
+    probs = RNG.random((1, 128, 1, 4, KEYS)).astype(np.float32)  # [B, T, kh, g, S]
     scores_fn = jax.jit(query_key)
     values_fn = jax.jit(blocked_prob_value, static_argnums=2)
     want_scores = want_values = None
     for q, length, offset in VIEWS:
         keys, values = _keys_at(offset, length, real_keys), _keys_at(offset, length, real_values)
-        view_probs = np.zeros((1, 1, 4, q, length), np.float32)
-        view_probs[..., offset:offset + KEYS] = probs[..., :q, :]
+        view_probs = np.zeros((1, q, 1, 4, length), np.float32)
+        view_probs[..., offset:offset + KEYS] = probs[:, :q]
         scores = np.asarray(scores_fn(jnp.asarray(queries[:, :q]), jnp.asarray(keys)))[..., offset:offset + KEYS]
         summed = np.asarray(values_fn(jnp.asarray(view_probs), jnp.asarray(values), FLOAT_VALUE_BLOCK))
         if want_scores is None:
             want_scores, want_values = scores, summed
-        n = min(q, want_scores.shape[3])
-        np.testing.assert_array_equal(scores[..., :n, :], want_scores[..., :n, :], err_msg=str((q, length, offset)))
+        n = min(q, want_scores.shape[1])
+        np.testing.assert_array_equal(scores[:, :n], want_scores[:, :n], err_msg=str((q, length, offset)))
         np.testing.assert_array_equal(summed[:, :n], want_values[:, :n], err_msg=str((q, length, offset)))
 
 
