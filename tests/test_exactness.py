@@ -23,9 +23,11 @@ from core.model import (
     blocked_prob_value,
     exact_sum,
     linear,
+    materialized,
     quantize_int8,
     query_key,
     rms_norm,
+    rope_tables,
     softmax,
     times,
     times_in_blocks,
@@ -165,6 +167,31 @@ def test_exact_sum_is_exact_to_its_resolution_and_refuses_axes_it_would_overflow
     np.testing.assert_allclose(got, truth, rtol=2e-7)  # one float32 rounding of the exact fixed-point sum
     with pytest.raises(ValueError, match="at most"):
         exact_sum(jnp.zeros((1, 2**15), jnp.float32))
+
+
+def test_exact_sum_ignores_order_and_zero_padding():
+    terms = RNG.random((4, 700)).astype(np.float32) ** 8  # many small terms: every digit carries
+    padded = np.concatenate([np.zeros((4, 300), np.float32), terms[:, ::-1], np.zeros((4, 24), np.float32)], 1)
+    want = np.asarray(jax.jit(exact_sum)(jnp.asarray(terms)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(exact_sum)(jnp.asarray(padded))), want)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 512])
+def test_materialized_keeps_every_bit(rows):
+    x = (RNG.standard_normal((rows, 128)) * 10.0 ** RNG.integers(-30, 30, (rows, 128))).astype(np.float32)
+    x[:, :3] = [0.0, 1.0, -1.0]
+    got = np.asarray(jax.jit(materialized)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got.view(np.uint32), x.view(np.uint32))
+
+
+def test_rope_tables_are_xla_cos_and_sin_of_the_positions():
+    positions = jnp.asarray([[0, 1, 7], [100, 4095, 8191]], jnp.int32)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, 256, 2) / 256)).astype(np.float32)
+    cos, sin = jax.jit(lambda p: rope_tables(p, inv_freq, jnp.float32))(positions)
+    freqs = jax.jit(lambda p: p.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq))(positions)
+    for got, fn in ((cos, jnp.cos), (sin, jnp.sin)):
+        half = np.asarray(jax.jit(fn)(freqs))
+        np.testing.assert_array_equal(np.asarray(got), np.concatenate([half, half], axis=-1))
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 640, 2048), (8, 640, 2048), (17, 2048, 640), (100, 256, 1024), (8, 640, 4096)])
