@@ -101,7 +101,9 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple
 def materialized(x: jax.Array) -> jax.Array:
     """x [..., n] float32, the same bits, as the output of a library product, which XLA cannot fuse into the
     ops that read it: x @ I, exact since every term but x's own is a zero (XLA:CPU drops optimization
-    barriers before it fuses, so they do not keep an elementwise producer from being recomputed per use)."""
+    barriers before it fuses, so they do not keep an elementwise producer from being recomputed per use).
+    Tiny inputs are the exception: XLA:CPU's product flushed subnormals to zero (2026-12-07) and a TPU v5e's
+    keeps magnitudes down to ~1e-31 only; rope tables hold neither (tests/test_exactness.py)."""
     return jnp.einsum("...d,de->...e", x, jnp.eye(x.shape[-1], dtype=jnp.float32), precision="highest")
 
 

@@ -185,14 +185,18 @@ def test_materialized_keeps_every_bit(rows):
     np.testing.assert_array_equal(got.view(np.uint32), x.view(np.uint32))
 
 
-def test_rope_tables_are_xla_cos_and_sin_of_the_positions():
-    positions = jnp.asarray([[0, 1, 7], [100, 4095, 8191]], jnp.int32)
-    inv_freq = (1.0 / 10000.0 ** (np.arange(0, 256, 2) / 256)).astype(np.float32)
+@pytest.mark.parametrize("base", [10_000.0, 1_000_000.0])  # Gemma 3's sliding and global layers
+def test_rope_tables_are_xla_cos_and_sin_of_every_position(base):
+    """Every position of an 8K slot: `materialized` would flush a subnormal table entry, so this also checks
+    that the tables hold none."""
+    positions = jnp.arange(8192, dtype=jnp.int32).reshape(2, 4096)
+    inv_freq = (1.0 / base ** (np.arange(0, 256, 2) / 256)).astype(np.float32)
     cos, sin = jax.jit(lambda p: rope_tables(p, inv_freq, jnp.float32))(positions)
     freqs = jax.jit(lambda p: p.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq))(positions)
     for got, fn in ((cos, jnp.cos), (sin, jnp.sin)):
         half = np.asarray(jax.jit(fn)(freqs))
-        np.testing.assert_array_equal(np.asarray(got), np.concatenate([half, half], axis=-1))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                      np.concatenate([half, half], axis=-1).view(np.uint32))
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 640, 2048), (8, 640, 2048), (17, 2048, 640), (100, 256, 1024), (8, 640, 4096)])
