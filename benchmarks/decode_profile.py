@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     from core.device import configure_environment
 
     configure_environment(args.platform)
+    import jax
     import numpy as np
+
+    bench.apply_platform_defaults(args, jax.default_backend() == "cpu")
 
     from core.device import choose_dtype
 

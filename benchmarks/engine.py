@@ -676,6 +676,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+
+def apply_platform_defaults(args: argparse.Namespace, on_cpu: bool) -> None:
+    """Fill the options whose default depends on the platform (a CPU step is ~50x a GPU's) and clamp the
+    contexts below max_len."""
+    if args.steps is None:
+        args.steps = 16 if on_cpu else 100
+    if args.prefill_chunks is None:
+        args.prefill_chunks = 3 if on_cpu else 10
+    args.contexts = sorted({min(c, args.max_len - 1) for c in args.contexts})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from core.device import configure_environment
@@ -690,11 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_compile_cache()
     backend = jax.default_backend()
     on_cpu = backend == "cpu"
-    if args.steps is None:
-        args.steps = 16 if on_cpu else 100
-    if args.prefill_chunks is None:
-        args.prefill_chunks = 3 if on_cpu else 10
-    args.contexts = sorted({min(c, args.max_len - 1) for c in args.contexts})
+    apply_platform_defaults(args, on_cpu)
 
     if args.compare:
         variants = [("float32", None), ("float32", "int8"), ("bfloat16", None), ("bfloat16", "int8")]

@@ -36,12 +36,14 @@ def test_summary_keeps_to_gpu_streams_and_ranks_ops_by_time():
 
 
 def test_profile_run_writes_its_report(tmp_path):
+    """Run without --steps: the platform's default step count applies (16 on CPU), as in engine.py."""
     out = tmp_path / "profile.json"
     assert main(["--config", "configs/models/gemma3-270m.json", "--layers", "1", "--slots", "2",
-                 "--max-len", "1024", "--steps", "2", "--trace-steps", "2", "--attention-buckets", "",
+                 "--max-len", "1024", "--trace-steps", "2", "--attention-buckets", "",
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bucket"] == 1024 and report["wall_ms_p50"] > 0
+    assert report["meta"]["steps"] == 16
     assert report["trace"]["ops_per_step"] > 0 and report["trace"]["top_ops"]
 
 
