@@ -32,6 +32,12 @@ ROW_PREFILL_CHUNKS = 4  # prefills with at most this many smallest chunks left a
 # A piece is padded up to the chunk size covering it only while the padding is at most this share of it:
 # padded positions cost full compute on CPU, so a larger waste is better split into smaller chunks.
 MAX_PADDING_SHARE = 0.25
+# While a decode step carries a short prefill's chunk, chunks of long prompts wait for a later iteration, at
+# most this many in a row: executed in the same iteration, a long chunk (a 512-token chunk: 0.35-1.6 s on a
+# 2-core CPU) holds back the carried prompt's first token and every stream's next one, where the carry step
+# alone costs 0.07-0.17 s. A short prefill needs at most ROW_PREFILL_CHUNKS carries, so one completes within
+# the wait; the bound keeps a stream of short turns from starving a long prompt.
+MAX_DEFERRED_LONG = ROW_PREFILL_CHUNKS
 # The batched prefill costs about a full row of every slot, so it runs only when this share of the slots
 # (and at least 2 prefills) would use it.
 MIN_ROW_PREFILL_SHARE = 0.5
@@ -97,6 +103,7 @@ class Planner:
         self.times = times
         self.drafts = drafts  # the pooled acceptance of recent drafts (the scheduler records each verify step)
         self.prefilling: deque[Sequence] = deque()
+        self.deferred_long = 0  # iterations in a row whose long prompts waited for a carried prefill
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
@@ -123,13 +130,18 @@ class Planner:
         little (padding costs full compute on CPU), else the largest full chunk; a tail shorter than the
         smallest chunk runs padded in it. Once something is planned, what is left of the budget is not spent
         on smallest chunks cut from a piece that fills a larger chunk (per token they cost about twice the
-        larger ones on CPU): the next iteration takes it in larger ones."""
+        larger ones on CPU): the next iteration takes it in larger ones. While a short prefill is carried,
+        long prompts wait (at most MAX_DEFERRED_LONG iterations in a row)."""
         budget = self._plan_rows(plan, self.prefill_budget)
         sizes = self.engine.config.chunk_sizes
         in_rows = {chunk.seq.id for chunk in plan.rows}
         ready = [seq for seq in self.prefilling if seq.awaiting is None and seq.id not in in_rows]
         if self._plan_carried(plan, ready):  # the other short prefills wait for the next steps' carries
             ready = [seq for seq in ready if not self._short(seq)]
+            if ready and self.deferred_long < MAX_DEFERRED_LONG:
+                self.deferred_long += 1
+                return
+        self.deferred_long = 0
         for seq in sorted(ready, key=lambda s: len(s.prompt) - s.cursor):
             cursor = seq.cursor
             while budget > 0 and cursor < len(seq.prompt):
@@ -159,7 +171,7 @@ class Planner:
         own reads every weight again (`Engine.decode_with_chunk`; default model, 2-core CPU: 90 ms for both vs
         53 + 64 ms). Returns whether it does: then the other short prefills wait for later steps' carries, first
         come first served (a step's wait costs them less than a call of their own costs every stream); long
-        prompts keep their large chunks."""
+        prompts keep their large chunks, in the iterations after (`MAX_DEFERRED_LONG`)."""
         short = [seq for seq in ready if self._short(seq)]
         if not plan.decode or not self.engine.chunk_in_decode or not short:
             return False

@@ -147,3 +147,54 @@ def test_turns_arriving_while_streams_decode_ride_along_and_match_their_cold_run
     assert sched.stats.carried_chunks - carried == 3 + 2  # ceil(10 / 4) + ceil(7 / 4), one per step
     for handle, req in zip(handles, long + short, strict=True):
         assert handle.result(timeout=0)[0] == cold(engine, tokenizer, req)
+
+
+def carries_before_each_long_chunk(engine, tokenizer, monkeypatch, shorts: list[tuple[int, ...]], long_prompt):
+    """Two streams decode; then the short prompts and a long one arrive together. Returns, for each call of the
+    long prompt's own prefill chunks, how many chunks decode steps had carried since the arrival, and every
+    request's tokens against its cold run."""
+    streams = [request(ids(1, 20), max_tokens=40), request(ids(2, 23), max_tokens=40)]
+    later = [request(prompt, max_tokens=5) for prompt in shorts] + [request(long_prompt, max_tokens=5)]
+    sched = make(engine, tokenizer, prefix_caching=False)
+    handles = [sched.submit(r) for r in streams]
+    while sched.planner.prefilling or sched.stats.decode_steps < 2:
+        sched.step()
+    base = sched.stats.carried_chunks
+    long_slot = []
+    calls = []
+    original = engine.prefill_chunk
+
+    def spy(slot, tokens, start):
+        if long_slot and slot == long_slot[0]:
+            calls.append(sched.stats.carried_chunks - base)
+        return original(slot, tokens, start)
+
+    monkeypatch.setattr(engine, "prefill_chunk", spy)
+    handles += [sched.submit(r) for r in later]
+    sched.step()  # admits them all; the long prompt's slot is known from here
+    long_slot.append(next(seq.slot for seq in sched.planner.prefilling if len(seq.prompt) == len(long_prompt)))
+    sched.run_until_idle()
+    for handle, req in zip(handles, streams + later, strict=True):
+        assert handle.result(timeout=0)[0] == cold(engine, tokenizer, req)
+    return calls
+
+
+def test_a_long_prompt_waits_while_a_short_turn_rides_along(engine, tokenizer, monkeypatch):
+    """A short turn (10 tokens: 3 carries) and a long prompt (40 tokens) arrive while streams decode: the long
+    prompt's first chunk runs only after the short turn's last carry, not in the same iterations (where it
+    would hold back the turn's first token and every stream's next), and every output equals its cold run."""
+    from scheduler.planner import MAX_DEFERRED_LONG
+
+    assert MAX_DEFERRED_LONG >= 3
+    calls = carries_before_each_long_chunk(engine, tokenizer, monkeypatch, [ids(3, 10)], ids(5, 40))
+    assert calls and calls[0] == 3
+
+
+def test_short_turns_defer_a_long_prompt_a_bounded_number_of_iterations(engine, tokenizer, monkeypatch):
+    """Three short turns (9 carries in all, one per step) and a long prompt: the long prompt waits at most
+    MAX_DEFERRED_LONG carry steps in a row, then gets a chunk beside the next carry."""
+    from scheduler.planner import MAX_DEFERRED_LONG
+
+    shorts = [ids(3, 10), ids(4, 11), ids(6, 12)]
+    calls = carries_before_each_long_chunk(engine, tokenizer, monkeypatch, shorts, ids(5, 40))
+    assert calls and calls[0] == MAX_DEFERRED_LONG < 9
