@@ -676,7 +676,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-
 def apply_platform_defaults(args: argparse.Namespace, on_cpu: bool) -> None:
     """Fill the options whose default depends on the platform (a CPU step is ~50x a GPU's) and clamp the
     contexts below max_len."""

@@ -150,9 +150,9 @@ def test_turns_arriving_while_streams_decode_ride_along_and_match_their_cold_run
 
 
 def carries_before_each_long_chunk(engine, tokenizer, monkeypatch, shorts: list[tuple[int, ...]], long_prompt):
-    """Two streams decode; then the short prompts and a long one arrive together. Returns, for each call of the
-    long prompt's own prefill chunks, how many chunks decode steps had carried since the arrival, and every
-    request's tokens against its cold run."""
+    """Two streams decode; then the short prompts and a long one arrive together. Asserts that every request's
+    tokens equal its cold run; returns, for each call of the long prompt's own prefill chunks, how many chunks
+    decode steps had carried since the arrival."""
     streams = [request(ids(1, 20), max_tokens=40), request(ids(2, 23), max_tokens=40)]
     later = [request(prompt, max_tokens=5) for prompt in shorts] + [request(long_prompt, max_tokens=5)]
     sched = make(engine, tokenizer, prefix_caching=False)
