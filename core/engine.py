@@ -73,11 +73,16 @@ class EngineConfig:
     # weights and int8 KV) and XLA's float kernels computing a row alike in both shapes, which holds on some
     # CPUs and not on others (docs/design-notes.md), so it is opt-in. 0 or 1: no program.
     rows_verify_width: int = 0
-    # A decode step may carry one prompt chunk of the smallest size for a slot that is not decoding (a chat
-    # turn's new tokens after a prefix-cache hit): the weight products take both at once, so the chunk costs
-    # its extra rows instead of a call that reads every weight again. Like the batched verify, it needs every
-    # product exact whatever the row count (`Engine.rows_exact`); elsewhere there is no such program.
+    # A decode step may carry one prompt chunk for a slot that is not decoding (a chat turn's new tokens after a
+    # prefix-cache hit): the weight products take both at once, so the chunk costs its extra rows instead of a
+    # call that reads every weight again. Like the batched verify, it needs every product exact whatever the
+    # row count (`Engine.rows_exact`); elsewhere there is no such program.
     chunk_in_decode: bool = False
+    # The widths a carried chunk is padded to (the smallest covering it), one program per width and bucket.
+    # Padded rows cost full compute: on the default model (Zen 5, 7 rows at the 2,048 bucket) carrying 32 rows
+    # adds 25 ms to a 28 ms decode step and 64 rows 44 ms (benchmarks/carry_cost.py), so a 33-64-token chat turn
+    # rides in one 64-row carry instead of two 32-row ones (51 ms), and a turn of up to 32 tokens pays for 32.
+    carry_sizes: tuple[int, ...] = (32, 64)
     # Decode and sample in one program for steps with no constrained row: one dispatch instead of two, the
     # logits never leave the device (the step a device-side token feedback would build on). Off: on an H200
     # the sampler dispatched right after the decode already overlaps it (two calls 5.42 ms vs fused 5.77 ms per
@@ -109,8 +114,10 @@ class EngineConfig:
             raise ValueError("adapter_slots must be >= 0 and adapter_rank positive")
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise ValueError(f"adapter_dtype must be one of {ADAPTER_DTYPES}, not {self.adapter_dtype!r}")
-        if not self.chunk_sizes or sorted(set(self.chunk_sizes)) != list(self.chunk_sizes):
-            raise ValueError("chunk_sizes must be a non-empty strictly increasing tuple")
+        for name in ("chunk_sizes", "carry_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] < 1:
+                raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive sizes")
         buckets = self.attention_buckets
         if buckets and (sorted(set(buckets)) != list(buckets) or buckets[0] < 1 or buckets[-1] > self.max_len):
             raise ValueError("attention_buckets must be strictly increasing lengths within max_len")
@@ -239,6 +246,7 @@ class Engine:
         self.rows_exact = self.spec.quantized and all_matmuls_integer(params)
         self.rows_verify_exact = config.rows_verify_width > 1 and self.rows_exact
         self.chunk_in_decode = config.chunk_in_decode and self.rows_exact
+        self.carry_sizes = config.carry_sizes if self.chunk_in_decode else ()
         # A decode step of rows under many adapters batches their products over the slots, where that rounds as
         # the per-slot pairs do on this host (`core.model.lora_delta`); the probe runs once per process and shapes.
         form = slot_batched_lora_form(
@@ -348,9 +356,9 @@ class Engine:
                 table["prefill", size, attend] = jit(f"prefill chunk {size} (attends {attend})", _prefill_step,
                                                      attend=attend, **model)
             table["decode", attend] = jit(f"decode step (attends {attend})", _decode_step, attend=attend, **decode)
-            if self.chunk_in_decode:
-                table["decode_chunk", attend] = jit(
-                    f"decode step + prefill chunk {self.row_chunk} (attends {attend})", _decode_chunk_step,
+            for width in self.carry_sizes:
+                table["decode_chunk", width, attend] = jit(
+                    f"decode step + prefill chunk {width} (attends {attend})", _decode_chunk_step,
                     attend=attend, **decode)
             if self.fused_sampling:
                 for kind, needs_full in (("decode_sample", False), ("decode_sample_full", True)):
@@ -397,7 +405,7 @@ class Engine:
         if kind == "decode":
             return params, cache, i32(4, rows)
         if kind == "decode_chunk":
-            return params, cache, i32(4, rows), i32(1, self.row_chunk), i32(4)
+            return params, cache, i32(4, rows), i32(1, key[1]), i32(4)
         if kind in ("decode_sample", "decode_sample_full"):
             return params, cache, i32(4, rows), i32(rows, PACKED_WIDTH), sampler, i32(rows), i32(rows)
         if kind == "verify":
@@ -505,10 +513,11 @@ class Engine:
         competes with steps for the cores may run. False: the engine is stopping."""
         return self.programs.wait_quiet()
 
-    def compiled_for(self, kind: str, positions: list[int] | np.ndarray) -> bool:
-        """Whether the ``kind`` program (one of OPTIONAL_KINDS) covering these positions is compiled, so a
-        scheduler can leave a speedup out rather than wait for it; if not, a background warm-up loads it next."""
-        key = (kind, self.bucket_for(np.asarray(positions)))
+    def compiled_for(self, kind: str, positions: list[int] | np.ndarray, width: int | None = None) -> bool:
+        """Whether the ``kind`` program (one of OPTIONAL_KINDS; of this chunk width where the kind has several)
+        covering these positions is compiled, so a scheduler can leave a speedup out rather than wait for it; if
+        not, a background warm-up loads it next."""
+        key = (kind, *(() if width is None else (width,)), self.bucket_for(np.asarray(positions)))
         program = self.programs.get(key)
         if program is not None and not program.ready:
             self.programs.want(key)
@@ -594,18 +603,26 @@ class Engine:
 
     def decode_with_chunk(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray, slot: int,
                           chunk: np.ndarray, start: int) -> tuple[jax.Array, jax.Array]:
-        """`decode` and `prefill_chunk` of slot ``slot`` (not decoding; at most row_chunk tokens from start) in
-        one pass (`chunk_in_decode`; check `compiled_for("decode_chunk", ...)` first): (logits [S, V], the
-        chunk's last logits [V]), each what its own call gives bit for bit."""
+        """`decode` and `prefill_chunk` of slot ``slot`` (not decoding; at most the largest carry size of tokens
+        from start) in one pass, padded to `carry_width` (`chunk_in_decode`; check `compiled_for("decode_chunk",
+        ..., carry_width)` first): (logits [S, V], the chunk's last logits [V]), each what its own call gives
+        bit for bit."""
+        if not self.chunk_in_decode:
+            raise ValueError("no carrying program: chunk_in_decode needs W8A8 weights and int8 KV")
         chunk = np.asarray(chunk, np.int32)
-        if not 1 <= len(chunk) <= self.row_chunk or active[slot]:
-            raise ValueError(f"slot {slot}: 1..{self.row_chunk} tokens of a slot that is not decoding")
+        if not 1 <= len(chunk) <= self.carry_sizes[-1] or active[slot]:
+            raise ValueError(f"slot {slot}: 1..{self.carry_sizes[-1]} tokens of a slot that is not decoding")
         self._check_positions(start, len(chunk))
         packed = _decode_inputs(tokens, positions, active, self.slot_adapters)
         attend = self.bucket_for(np.append(packed[1], start + len(chunk) - 1))
-        logits, chunk_logits, self.cache = self.programs["decode_chunk", attend](
-            self.params, self.cache, packed, _one_row(chunk, self.row_chunk), self._one_slot(start, len(chunk), slot))
+        width = self.carry_width(len(chunk))
+        logits, chunk_logits, self.cache = self.programs["decode_chunk", width, attend](
+            self.params, self.cache, packed, _one_row(chunk, width), self._one_slot(start, len(chunk), slot))
         return logits, chunk_logits
+
+    def carry_width(self, n: int) -> int:
+        """The carry size a chunk of n tokens is padded to in `decode_with_chunk`: the smallest covering it."""
+        return next(width for width in self.carry_sizes if width >= n)
 
     def fused_ready(self, positions: np.ndarray, needs_full: bool) -> bool:
         """Whether `decode_sample` can run a step at these positions now (its program exists and is compiled)."""

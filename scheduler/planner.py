@@ -166,21 +166,26 @@ class Planner:
         return len(seq.prompt) - seq.cursor <= ROW_PREFILL_CHUNKS * self.engine.row_chunk
 
     def _plan_carried(self, plan: StepPlan, ready: list[Sequence]) -> bool:
-        """The decode step takes along the next smallest chunk of the short prefill admitted first (a chat
-        turn's new tokens after a cache hit): in the same pass it costs its extra rows, where a call of its
-        own reads every weight again (`Engine.decode_with_chunk`; default model, 2-core CPU: 90 ms for both vs
-        53 + 64 ms). Returns whether it does: then the other short prefills wait for later steps' carries, first
-        come first served (a step's wait costs them less than a call of their own costs every stream); long
-        prompts keep their large chunks, in the iterations after (`MAX_DEFERRED_LONG`)."""
+        """The decode step takes along the next piece of the short prefill admitted first (a chat turn's new
+        tokens after a cache hit), as many tokens as the largest carry size takes, padded to the smallest carry
+        size covering them whose program is loaded: in the same pass it costs its extra rows, where a call of
+        its own reads every weight again (`Engine.decode_with_chunk`; default model, 2-core CPU: 90 ms for both
+        vs 53 + 64 ms). Returns whether it does: then the other short prefills wait for later steps' carries,
+        first come first served (a step's wait costs them less than a call of their own costs every stream);
+        long prompts keep their large chunks, in the iterations after (`MAX_DEFERRED_LONG`)."""
         short = [seq for seq in ready if self._short(seq)]
         if not plan.decode or not self.engine.chunk_in_decode or not short:
             return False
         seq = min(short, key=lambda s: s.admitted_at)
-        end = min(len(seq.prompt), seq.cursor + self.engine.row_chunk)
-        if not self.engine.compiled_for("decode_chunk", [row.start for row in plan.decode] + [end - 1]):
-            return False
-        plan.carried = PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:end], np.int32))
-        return True
+        left, sizes = len(seq.prompt) - seq.cursor, self.engine.carry_sizes
+        covering = self.engine.carry_width(min(left, sizes[-1]))
+        starts = [row.start for row in plan.decode]
+        for width in reversed([size for size in sizes if size <= covering]):  # a restart loads the wider later
+            end = seq.cursor + min(left, width)
+            if self.engine.compiled_for("decode_chunk", [*starts, end - 1], width):
+                plan.carried = PrefillChunk(seq, seq.cursor, np.asarray(seq.prompt[seq.cursor:end], np.int32))
+                return True
+        return False
 
     def _plan_rows(self, plan: StepPlan, budget: int) -> int:
         """Advance many short prefills (at most a few smallest chunks left, e.g. chat turns after a prefix-cache
