@@ -12,9 +12,7 @@ Prints the JSON and writes benchmarks/results/carry-cost-cpu.json (or --out).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import default_gguf, git_commit, host, save_report, versions  # noqa: E402
+from benchmarks.common import default_gguf, git_commit, host, medians_in_turn, save_report, versions  # noqa: E402
 
 SLOTS = 8
 MAX_LEN = 8192
@@ -80,13 +78,7 @@ def measure(widths: list[int], calls: int) -> dict[str, Any]:
     call, programs = step_programs(widths)
     for name in programs:  # compiles, and the first call's one-time set-up
         call(name)
-    times: dict[str, list[float]] = {name: [] for name in programs}
-    for _ in range(calls):
-        for name in programs:
-            begin = time.perf_counter()
-            call(name)
-            times[name].append(time.perf_counter() - begin)
-    median = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    median = medians_in_turn(call, programs, calls)
     return {"median_ms": {name: round(ms, 2) for name, ms in median.items()},
             "added_ms": {name: round(ms - median["decode"], 2) for name, ms in median.items() if name != "decode"},
             "added_ms_per_row": {f"carry_{w}": round((median[f"carry_{w}"] - median["decode"]) / w, 3)

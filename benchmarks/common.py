@@ -67,6 +67,19 @@ def dist_ms(values: list[float], digits: int = 3) -> dict[str, Any]:
             "max_ms": ms(max(values))}
 
 
+def medians_in_turn(call: Callable[[str], Any], names: Iterable[str], calls: int) -> dict[str, float]:
+    """Median milliseconds of ``calls`` timed calls of each named program, the programs called in turn (one
+    round calls each once) so the host's drift hits them alike; ``call(name)`` runs one and waits for it."""
+    names = list(names)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(calls):
+        for name in names:
+            begin = time.perf_counter()
+            call(name)
+            times[name].append(time.perf_counter() - begin)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
 # ---- where a figure came from ----------------------------------------------------------------------------------
 
 def _git(tree: Path, *cmd: str) -> str | None:

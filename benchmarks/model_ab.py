@@ -27,7 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import default_gguf, git_commit, host, log, save_report, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    default_gguf,
+    git_commit,
+    host,
+    log,
+    medians_in_turn,
+    save_report,
+    versions,
+)
 
 CHUNK = 512
 CONTEXTS = (0, 1024, 3072)
@@ -86,13 +94,7 @@ def worker(tree: Path, gguf: str, calls: int, logits_path: Path) -> dict[str, fl
 
     first = {name: np.asarray(call(name)) for name in programs}  # compiles; the same order in every tree
     np.savez(logits_path, **first)
-    times: dict[str, list[float]] = {name: [] for name in programs}
-    for _ in range(calls):
-        for name in programs:
-            begin = time.perf_counter()
-            call(name)
-            times[name].append(time.perf_counter() - begin)
-    return {name: round(statistics.median(values) * 1e3, 2) for name, values in times.items()}
+    return {name: round(ms, 2) for name, ms in medians_in_turn(call, programs, calls).items()}
 
 
 def run_side(tree: Path, gguf: str, calls: int, logits_path: Path) -> dict[str, float]:

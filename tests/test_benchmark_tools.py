@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +142,18 @@ def test_a_random_checkpoint_loads_as_a_model_with_the_real_tokenizer(tmp_path):
     assert model.tokenizer.decode(model.tokenizer.encode("a lighthouse keeper")) == "a lighthouse keeper"
     embed = np.asarray(model.params["embed"])
     assert embed.shape == (262144, 16) and 0.01 < float(embed.std()) < 0.03
+
+
+def test_programs_timed_in_turn_report_each_ones_median():
+    from benchmarks.common import medians_in_turn
+
+    order = []
+    slow = {"a": 0.0, "b": 0.02}
+
+    def call(name: str) -> None:
+        order.append(name)
+        time.sleep(slow[name])
+
+    medians = medians_in_turn(call, ["a", "b"], 3)
+    assert order == ["a", "b"] * 3
+    assert set(medians) == {"a", "b"} and 0 <= medians["a"] < 20 <= medians["b"]
