@@ -76,6 +76,17 @@ def test_a_carried_chunk_and_the_decode_rows_keep_their_bits_on_tiny_models(fami
     assert carried_against_separate(engine, prompts, rng) == ROUNDS
 
 
+def test_a_carry_whose_padding_runs_past_the_end_of_its_slot_keeps_its_bits(compile_cache):
+    """The carried slot's chunks (1, 8, 7 and 6 tokens) end at the slot's last position, the last one padded to
+    8 rows, two past it: decode rows, chunk logits and the whole cache still equal the separate calls'."""
+    cfg = model_config("gemma3")
+    engine = carrying_engine(cfg, random_params(cfg, std=0.1, norm_std=0.1, seed=13), slots=3, max_len=96,
+                             chunks=(4, 8, 16))
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (WINDOW + 3, 2, 96 - (1 + 8 + 7 + 6))]
+    assert carried_against_separate(engine, prompts, rng) == ROUNDS
+
+
 @pytest.mark.parametrize("family", ("gemma3", "gemma4"))
 def test_a_carried_chunk_keeps_its_bits_under_lora_adapters(family, compile_cache):
     """Decode rows under two adapters and the carried chunk under a third slot's adapter: each group's adapter
