@@ -63,6 +63,7 @@ class RuntimeOptions:
     # A decode step carries one short prompt chunk (a chat turn's new tokens) of another slot in the same pass
     # (EngineConfig.chunk_in_decode; W8A8 + int8 KV only, exact as the batched verify is).
     chunk_in_decode: bool = True
+    carry_sizes: tuple[int, ...] = EngineConfig.carry_sizes  # the widths a carried chunk is padded to
     # Sample inside the decode program and queue the next decode step before the previous one's tokens are
     # read (EngineConfig.fused_sampling + SchedulerConfig.overlap_steps); None: chosen per device
     # (core.device.choose_overlap: on for GPU / TPU, off on CPU).
@@ -237,7 +238,8 @@ def engine_config(options: RuntimeOptions, kv_dtype: str | None, overlap: bool) 
 
     return EngineConfig(num_slots=options.num_slots, max_len=options.max_len, chunk_sizes=tuple(options.chunk_sizes),
                         kv_dtype=kv_dtype, rows_verify_width=ROWS_VERIFY_WIDTH if options.batched_speculation else 0,
-                        chunk_in_decode=options.chunk_in_decode, fused_sampling=overlap,
+                        chunk_in_decode=options.chunk_in_decode, carry_sizes=tuple(options.carry_sizes),
+                        fused_sampling=overlap,
                         transfer_sizes=choose_transfer_sizes(), adapter_slots=options.adapter_slots,
                         adapter_rank=options.adapter_rank, adapter_dtype=options.adapter_dtype)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from agents.runtime import RuntimeOptions
 from agents.service import DEFAULT_MAX_TOKENS
@@ -25,6 +25,13 @@ DEFAULT_ADAPTER_SLOTS = 8  # adapter slots when adapters are in use and the conf
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _increasing_sizes(value: list[int], info: ValidationInfo) -> list[int]:
+    """A list of sizes (chunk or carry widths) must be strictly increasing positive integers."""
+    if sorted(set(value)) != value or value[0] < 1:
+        raise ValueError(f"{info.field_name} must be strictly increasing positive integers")
+    return value
 
 
 class ModelSection(_Section):
@@ -47,10 +54,8 @@ class ModelSection(_Section):
 
     @field_validator("chunk_sizes")
     @classmethod
-    def _increasing(cls, value: list[int]) -> list[int]:
-        if sorted(set(value)) != value or value[0] < 1:
-            raise ValueError("chunk_sizes must be strictly increasing positive integers")
-        return value
+    def _increasing(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        return _increasing_sizes(value, info)
 
 
 class SchedulerSection(_Section):
@@ -60,11 +65,17 @@ class SchedulerSection(_Section):
     speculative: bool = RUNTIME.speculative  # prompt-lookup speculation for plain-greedy streams (same tokens)
     batched_speculation: bool = RUNTIME.batched_speculation  # greedy streams verify drafts in one pass
     chunk_in_decode: bool = RUNTIME.chunk_in_decode  # a decode step carries one short prompt chunk
+    carry_sizes: list[int] = Field(default_factory=lambda: list(RUNTIME.carry_sizes), min_length=1)
     overlap_steps: bool | None = RUNTIME.overlap_steps  # next decode step queued before tokens are read
     host_tier_bytes: int = Field(RUNTIME.host_tier_bytes, ge=0)
     disk_tier_dir: str | None = RUNTIME.disk_tier_dir  # None: ~/.cache/slotserve/kv; "off": no disk tier
     disk_tier_bytes: int = Field(RUNTIME.disk_tier_bytes, ge=0)
     disk_tier_flush_s: float = Field(RUNTIME.disk_tier_flush_s, ge=0)
+
+    @field_validator("carry_sizes")
+    @classmethod
+    def _increasing(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        return _increasing_sizes(value, info)
 
     @field_validator("disk_tier_dir", mode="before")
     @classmethod
@@ -170,6 +181,7 @@ class ServerConfig(_Section):
             background_compile=m.background_compile, prefill_budget=s.prefill_budget,
             max_waiting=s.max_waiting, prefix_caching=s.prefix_caching, speculative=s.speculative,
             batched_speculation=s.batched_speculation, chunk_in_decode=s.chunk_in_decode,
+            carry_sizes=tuple(s.carry_sizes),
             overlap_steps=s.overlap_steps,
             host_tier_bytes=s.host_tier_bytes, disk_tier_dir=s.disk_tier_dir, disk_tier_bytes=s.disk_tier_bytes,
             disk_tier_flush_s=s.disk_tier_flush_s,

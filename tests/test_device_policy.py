@@ -171,8 +171,8 @@ def test_every_default_is_stated_once_and_the_documented_yaml_matches_it():
     assert load_config(DEFAULT_CONFIG) == ServerConfig()
     options, engine, scheduler, cache = RuntimeOptions(), EngineConfig(), SchedulerConfig(), CacheConfig()
     assert ServerConfig().runtime_options() == options
-    assert (options.num_slots, options.max_len, options.chunk_sizes) == (
-        engine.num_slots, engine.max_len, engine.chunk_sizes)
+    assert (options.num_slots, options.max_len, options.chunk_sizes, options.carry_sizes) == (
+        engine.num_slots, engine.max_len, engine.chunk_sizes, engine.carry_sizes)
     assert (options.max_waiting, options.prefix_caching, options.host_tier_bytes, options.speculative) == (
         scheduler.max_waiting, cache.prefix_caching, cache.host_tier_bytes, scheduler.speculative)
     compiler = GrammarCompiler.__init__.__defaults__
@@ -206,3 +206,16 @@ def test_queued_decode_steps_and_small_transfers_are_for_accelerators_and_config
     assert engine_config(options, None, overlap).fused_sampling is True
     assert engine_config(options, "int8", False) == EngineConfig(kv_dtype="int8", rows_verify_width=3,
                                                                  chunk_in_decode=True)
+
+
+def test_carry_sizes_reach_the_engine_and_bad_ones_are_refused():
+    """`scheduler.carry_sizes` sets the widths carried chunks are padded to; a list that is not strictly
+    increasing and positive is a configuration error naming the field."""
+    from agents.runtime import engine_config
+    from server.config import ConfigError, load_config
+
+    options = load_config(overrides={"scheduler.carry_sizes": [16, 32]}).runtime_options()
+    assert engine_config(options, "int8", False).carry_sizes == (16, 32)
+    for bad in ([64, 32], [0, 32], [32, 32]):
+        with pytest.raises(ConfigError, match="carry_sizes must be strictly increasing"):
+            load_config(overrides={"scheduler.carry_sizes": bad})
