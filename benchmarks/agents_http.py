@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,8 @@ def build_workload(args: argparse.Namespace) -> dict[str, Any]:
 # ---- the client ---------------------------------------------------------------------------------------------
 
 async def stream_chat(client: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"text": "", "ttft_s": None, "usage": None, "timings": None, "error": None}
+    out: dict[str, Any] = {"text": "", "ttft_s": None, "usage": None, "timings": None, "error": None,
+                           "finish_reason": None}
     begin = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -108,6 +110,7 @@ async def stream_chat(client: Any, url: str, body: dict[str, Any], headers: dict
                 out["usage"] = chunk.get("usage") or out["usage"]
                 out["timings"] = chunk.get("timings") or out["timings"]
                 for choice in chunk.get("choices") or []:
+                    out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
                     piece = (choice.get("delta") or {}).get("content")
                     if piece:
                         if out["ttft_s"] is None:
@@ -145,7 +148,8 @@ async def run_workload(server: dict[str, Any], work: dict[str, Any], args: argpa
                 got = await stream_chat(client, server["chat_url"](spec["agent"]), body,
                                         headers(spec) if headers else {})
                 records.append({"session": spec["session"], "agent": spec["agent"], "turn": turn,
-                                **{k: got[k] for k in ("ttft_s", "latency_s", "usage", "timings", "error")}})
+                                **{k: got[k] for k in ("ttft_s", "latency_s", "usage", "timings", "error",
+                                                       "finish_reason", "text")}})
                 history.append({"role": "assistant", "content": got["text"]})
 
     limits = httpx.Limits(max_connections=args.concurrency + 4)
@@ -216,6 +220,8 @@ def summarize(run: dict[str, Any], template: Any, computed: int | None) -> dict[
         "hit_ratio": round(cached / prompt_tokens, 4) if prompt_tokens else None,
         "completion_tokens": completion,
         "completion_tokens_per_s": round(completion / run["wall_s"], 2),
+        # a server that stops at end of turn decodes fewer tokens than one that runs to max_tokens
+        "finish_reasons": dict(Counter(r["finish_reason"] for r in ok)),
         **{f"ttft_s_p{q}": round(percentile(ttfts, q / 100), 3) if ttfts else None for q in (50, 90, 99)},
         "ttft_s_max": round(max(ttfts), 3) if ttfts else None,
         "first_turn_ttft_s_p50": round(percentile(first, 0.5), 3) if first else None,
