@@ -8,9 +8,10 @@ prompt that the *client* sends as a system message (synthetic prose from a fixed
 --seed; --system-words words, about 1,330 tokens by default); S sessions spread over the agents; every
 session runs T turns one after another, resending the whole history (system message, every user message
 and every reply the server gave); at most --concurrency sessions are in flight at once. Every request
-streams with temperature 0.7 and a seed fixed per (session, turn), so the histories are realistic model
-output, not repeats. The two servers see their own replies, so their prompts differ slightly after the
-first turn.
+streams with the same sampling (`SAMPLING`: temperature 0.7 and llama.cpp's default truncation, stated to
+both) and a seed fixed per (session, turn), so the histories are realistic model output, not repeats, and
+stops where the transcript layout's turn ends (llama.cpp renders the same layout: `LLAMA_CHAT_TEMPLATE`).
+The two servers see their own replies, so their prompts differ slightly after the first turn.
 
 Each server runs as its own process, started the way a user starts it: `slotserve serve` on a generated
 config (one agent per workload agent, no agent system prompt) and `llama-server -np <concurrency>` on the
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from agents.transcript_template import STOP_STRINGS  # noqa: E402
 from benchmarks.common import (  # noqa: E402 - after the path set-up that makes it importable
     child_process,
     default_gguf,
@@ -68,6 +70,9 @@ _WORD_TEXT = (
     "please note remember ensure avoid prefer keep use return call ask tell explain describe compare count"
 )
 WORDS = _WORD_TEXT.split()
+# Both servers sample alike and end a turn alike: llama.cpp's default truncation, said explicitly to ours, and
+# the stop strings of the transcript layout both render (ours would stop there without being told).
+SAMPLING = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "stop": list(STOP_STRINGS)}
 
 
 def prose(rng: random.Random, words: int) -> str:
@@ -142,7 +147,7 @@ async def run_workload(server: dict[str, Any], work: dict[str, Any], args: argpa
             for turn in turns if turns is not None else range(len(spec["users"])):
                 history.append({"role": "user", "content": spec["users"][turn]})
                 body = {"model": server["model"](spec["agent"]), "messages": list(history),
-                        "max_tokens": args.max_tokens, "temperature": 0.7, "seed": 1000 * index + turn,
+                        "max_tokens": args.max_tokens, "seed": 1000 * index + turn, **SAMPLING,
                         "stream": True, "stream_options": {"include_usage": True}}
                 prompts.append(list(history))
                 got = await stream_chat(client, server["chat_url"](spec["agent"]), body,
@@ -227,6 +232,19 @@ def summarize(run: dict[str, Any], template: Any, computed: int | None) -> dict[
         "first_turn_ttft_s_p50": round(percentile(first, 0.5), 3) if first else None,
         "per_request": records,
     }
+
+
+def first_turn_prompts_alike(ours: list[dict[str, Any]], llama: list[dict[str, Any]]) -> dict[str, int]:
+    """How many first-turn prompts (the same messages to both servers) the two counted as the same number of
+    tokens: with the two templates alike, all of them (a tokenization difference at a line start may shift
+    a few by one)."""
+    def counts(records: list[dict[str, Any]]) -> dict[str, int]:
+        return {r["session"]: r["usage"]["prompt_tokens"] for r in records if r["turn"] == 0 and r["usage"]}
+
+    a, b = counts(ours), counts(llama)
+    both = a.keys() & b.keys()
+    return {"compared": len(both), "equal": sum(a[s] == b[s] for s in both),
+            "max_difference": max((abs(a[s] - b[s]) for s in both), default=0)}
 
 
 # ---- servers ---------------------------------------------------------------------------------------------------
@@ -347,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(mark_dirty=True), "host": host(), "argv": sys.argv[1:], "workload": {
             k: getattr(args, k) for k in ("agents", "sessions", "turns", "concurrency", "system_words", "user_words",
                                           "max_tokens", "seed")},
-        "notes": "client-sent system prompts, full history resent, streaming, temperature 0.7 with per-turn seeds; "
+        "notes": "client-sent system prompts, full history resent, streaming, the same sampling and stop strings "
+                 "sent to both servers with per-turn seeds, llama.cpp rendering slotserve's transcript layout; "
                  "no scheduler hints; unique tokens count distinct prefixes of the prompts as slotserve renders "
                  "them (each server's own history)",
+        "sampling": SAMPLING,
         "servers": {},
     }
     for kind in [k.strip() for k in args.order.split(",") if k.strip()]:
@@ -364,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_tokens_computed": round(a["prefill_tokens_computed"] / max(b["prefill_tokens_computed"], 1), 3),
             "ttft_s_p90": round(a["ttft_s_p90"] / b["ttft_s_p90"], 3),
         }
+        report["first_turn_prompts_alike"] = first_turn_prompts_alike(a["per_request"], b["per_request"])
     save_report(args.out, {**report, "servers": {k: {kk: vv for kk, vv in v.items() if kk != "per_request"}
                                                  for k, v in report["servers"].items()}}, echo=True)
     save_report(args.out, report, echo=False)

