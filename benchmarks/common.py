@@ -257,13 +257,16 @@ def default_gguf() -> str:
 LLAMA_CHAT_TEMPLATE = Path(__file__).resolve().parent / "templates" / "transcript.jinja"
 
 
-def llama_command(binary: str, gguf: str, port: int, *flags: str) -> list[str]:
+def llama_command(binary: str, gguf: str, port: int, *flags: str,
+                  chat_template: Path | None = LLAMA_CHAT_TEMPLATE) -> list[str]:
     """llama.cpp's server on ``gguf`` at the loopback ``port``, rendering chats as slotserve does
     (`LLAMA_CHAT_TEMPLATE`; a chat request must still send `agents.transcript_template.STOP_STRINGS` as its
-    stop for a turn to end where ours does). ``flags`` (-np, -t, -c, ...) go between the model and the port
-    (the command is recorded in its JSON)."""
-    return [binary, "-m", gguf, *flags, "--jinja", "--chat-template-file", str(LLAMA_CHAT_TEMPLATE),
-            "--port", str(port), "--host", LOOPBACK]
+    stop for a turn to end where ours does). ``chat_template`` None leaves llama.cpp its own (ChatML, whose
+    Jinja form declares tools: structured_http.py compares tool calls; ours declares none, and llama.cpp then
+    ignores a request's tools). ``flags`` (-np, -t, -c, ...) go between the model and the port (the command
+    is recorded in its JSON)."""
+    template = ["--jinja", "--chat-template-file", str(chat_template)] if chat_template else []
+    return [binary, "-m", gguf, *flags, *template, "--port", str(port), "--host", LOOPBACK]
 
 
 def poll_ready(url: str, proc: subprocess.Popen, deadline: float, *, until: Callable[[Any], bool] | None = None,

@@ -68,9 +68,10 @@ TOOLS = [
 
 
 def llama_cmd(binary: str, port: int, concurrency: int, max_tokens: int) -> list[str]:
-    """llama.cpp's server on the default GGUF: one 2048-token context per parallel slot, like ours."""
+    """llama.cpp's server on the default GGUF: one 2048-token context per parallel slot, like ours, with its
+    own chat template (its tool-call handling needs one that declares tools)."""
     return llama_command(binary, default_gguf(), port, "-np", str(concurrency), "-c", str(concurrency * 2048), "-n",
-                         str(max_tokens), "-t", str(os.cpu_count() or 2), "--jinja")
+                         str(max_tokens), "-t", str(os.cpu_count() or 2), "--jinja", chat_template=None)
 
 
 def for_llama(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -188,4 +188,5 @@ def test_llama_baseline_renders_chats_as_slotserve_does():
     command = llama_command("llama-server", "model.gguf", 8080)
     assert command[command.index("--chat-template-file") + 1] == str(LLAMA_CHAT_TEMPLATE)
     assert "--jinja" in command
+    assert "--chat-template-file" not in llama_command("llama-server", "model.gguf", 8080, chat_template=None)
     assert sorted(SAMPLING["stop"]) == sorted(ChatTemplate(tokenizer).render("", chats[0]).stop)
