@@ -9,8 +9,9 @@ prompt that the *client* sends as a system message (synthetic prose from a fixed
 session runs T turns one after another, resending the whole history (system message, every user message
 and every reply the server gave); at most --concurrency sessions are in flight at once. Every request
 streams with the same sampling (`SAMPLING`: temperature 0.7 and llama.cpp's default truncation, stated to
-both) and a seed fixed per (session, turn), so the histories are realistic model output, not repeats, and
-stops where the transcript layout's turn ends (llama.cpp renders the same layout: `LLAMA_CHAT_TEMPLATE`).
+both) and a seed fixed per (session, turn), so the histories are sampled model output (the base model still
+repeats many of its earlier replies word for word), and stops where the transcript layout's turn ends
+(llama.cpp renders the same layout: `LLAMA_CHAT_TEMPLATE`).
 The two servers see their own replies, so their prompts differ slightly after the first turn.
 
 Each server runs as its own process, started the way a user starts it: `slotserve serve` on a generated
