@@ -34,6 +34,7 @@ from core.sampling import (
     SamplerState,
     SamplingParams,
     SlotRequest,
+    draw_tokens,
     init_state,
     sample,
     set_slots,
@@ -409,9 +410,9 @@ class Engine:
         if kind in ("decode_sample", "decode_sample_full"):
             return params, cache, i32(4, rows), i32(rows, PACKED_WIDTH), sampler, i32(rows), i32(rows)
         if kind == "verify":
-            return params, cache, i32(1, self.config.verify_tokens), i32(4)
+            return params, cache, i32(1, self.config.verify_tokens), i32(5), sampler
         if kind == "verify_rows":
-            return params, cache, i32(rows, self.config.rows_verify_width), i32(3, rows)
+            return params, cache, i32(rows, self.config.rows_verify_width), i32(4, rows), sampler
         if kind == "read":
             return cache, i32(), i32()
         if kind == "write":
@@ -658,59 +659,66 @@ class Engine:
             self._no_previous = jnp.zeros((self.num_slots, PACKED_WIDTH), jnp.int32)
         return self._no_previous
 
-    def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int) -> list[int]:
-        """One greedy speculative step for one slot holding positions 0..start-1: tokens = [its last generated
-        token, draft_1, ..., draft_k] (k < verify_tokens) go in at positions start.. . Returns the greedy
-        tokens g_0..g_m, where draft_1..draft_m equal g_0..g_{m-1} (so g_m is the first new token past the
-        accepted drafts); the slot then holds positions 0..start+m, i.e. the last token and the m accepted
-        drafts. Each row is computed as a decode step at its position computes it (the chunk is written into
-        the cache first and attention reads the cache alone, over the same attention bucket), so the tokens
-        are those of m+1 plain greedy decode steps, bit for bit, provided the whole chunk lies in the bucket
-        of its first position (`verify_room`)."""
+    def verify(self, slot: int, tokens: list[int] | np.ndarray, start: int, step: int = 0) -> list[int]:
+        """One speculative step for one slot holding positions 0..start-1: tokens = [its last generated
+        token, draft_1, ..., draft_k] (k < verify_tokens) go in at positions start.. . Returns the tokens
+        g_0..g_m the slot's request draws there (g_i with the slot's sampling parameters and seed at step
+        step + i, `core.sampling.draw_tokens`; step: the tokens it has generated so far), where draft_1..draft_m
+        equal g_0..g_{m-1} (so g_m is the first new token past the accepted drafts); the slot then holds
+        positions 0..start+m, i.e. the last token and the m accepted drafts. Each row is computed as a decode
+        step at its position computes it (the chunk is written into the cache first and attention reads the
+        cache alone, over the same attention bucket), so the tokens are those of m+1 plain decode steps, bit
+        for bit, provided the whole chunk lies in the bucket of its first position (`verify_room`) and the
+        request is one `draw_tokens` serves (no penalties, mask or logprobs)."""
         tokens = np.asarray(tokens, np.int32)
         width = self.config.verify_tokens
         if not 1 <= len(tokens) <= width or width < 2:
             raise ValueError(f"verify takes 1..{width} tokens, got {len(tokens)}")
         self._check_positions(start, len(tokens))
-        return self._verify(slot, tokens, start)
+        return self._verify(slot, tokens, start, step)
 
-    def _verify(self, slot: int, tokens: np.ndarray, start: int) -> list[int]:
-        ints = self._one_slot(start, len(tokens), slot)
+    def _verify(self, slot: int, tokens: np.ndarray, start: int, step: int) -> list[int]:
+        ints = np.append(self._one_slot(start, len(tokens), slot), np.int32(step))
         fn = self.programs["verify", self.bucket_for(np.array([start + len(tokens) - 1]))]
-        greedy, accepted, self.cache = fn(self.params, self.cache, _one_row(tokens, self.config.verify_tokens), ints)
-        greedy, accepted = jax.device_get((greedy, accepted))
-        return [int(t) for t in greedy[: int(accepted) + 1]]
+        drawn, accepted, self.cache = fn(self.params, self.cache, _one_row(tokens, self.config.verify_tokens), ints,
+                                         self.sampler)
+        drawn, accepted = jax.device_get((drawn, accepted))
+        return [int(t) for t in drawn[: int(accepted) + 1]]
 
-    def verify_rows(self, pieces: list[tuple[int, list[int] | np.ndarray, int]]) -> dict[int, list[int]]:
+    def verify_rows(self, pieces: list[tuple[int, list[int] | np.ndarray, int]],
+                    steps: Sequence[int] | None = None) -> dict[int, list[int]]:
         """`verify` for several slots in one pass: pieces = (slot, [last token, draft_1, ..., draft_k], start)
-        with distinct slots and k < rows_verify_width (k = 0 is a plain greedy decode step for that slot).
-        Returns each listed slot's greedy tokens g_0..g_m as `verify` does. Only where `rows_verify_exact`,
-        and each chunk must lie within `rows_verify_room`."""
+        with distinct slots and k < rows_verify_width (k = 0 is a plain decode step for that slot), steps the
+        tokens each piece's request has generated so far (None: all 0, as greedy requests may pass). Returns
+        each listed slot's tokens g_0..g_m as `verify` does. Only where `rows_verify_exact`, and each chunk must
+        lie within `rows_verify_room`."""
         if not self.rows_verify_exact:
             raise ValueError("batched verification needs W8A8 weights and an int8 KV cache (rows_verify_exact)")
         width = self.config.rows_verify_width
         tokens = np.zeros((self.num_slots, width), np.int32)
-        starts = np.zeros(self.num_slots, np.int32)
-        counts = np.zeros(self.num_slots, np.int32)
-        for slot, piece, start in pieces:
+        starts, counts, at_step = (np.zeros(self.num_slots, np.int32) for _ in range(3))
+        for (slot, piece, start), step in zip(pieces, [0] * len(pieces) if steps is None else steps, strict=True):
             piece = np.asarray(piece, np.int32)
             if not 1 <= len(piece) <= width or counts[slot]:
                 raise ValueError(f"slot {slot}: 1..{width} tokens once per call, got {len(piece)}")
             self._check_positions(start, len(piece))
             tokens[slot, :len(piece)] = piece
-            starts[slot], counts[slot] = start, len(piece)
+            starts[slot], counts[slot], at_step[slot] = start, len(piece), step
         listed = counts > 0
         attend = self.bucket_for(starts[listed] + counts[listed] - 1)
-        greedy, accepted = self._verify_rows(tokens, starts, counts, attend)
-        return {slot: [int(t) for t in greedy[slot, :int(accepted[slot]) + 1]] for slot, _, _ in pieces}
+        drawn, accepted = self._verify_rows(tokens, starts, counts, at_step, attend)
+        return {slot: [int(t) for t in drawn[slot, :int(accepted[slot]) + 1]] for slot, _, _ in pieces}
 
-    def _verify_rows(self, tokens: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+    def _verify_rows(self, tokens: np.ndarray, starts: np.ndarray, counts: np.ndarray, steps: np.ndarray,
                      attend: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [S, rows_verify_width] and starts, counts, steps [S] (count 0: the slot is not verified)."""
         padded = np.zeros((self.num_slots, self.config.rows_verify_width), np.int32)
         padded[:, :tokens.shape[1]] = tokens
-        ints = np.stack([starts, counts, np.where(counts > 0, self.slot_adapters, NO_ADAPTER)]).astype(np.int32)
-        greedy, accepted, self.cache = self.programs["verify_rows", attend](self.params, self.cache, padded, ints)
-        return jax.device_get((greedy, accepted))
+        adapters = np.where(counts > 0, self.slot_adapters, NO_ADAPTER)
+        ints = np.stack([starts, counts, adapters, steps]).astype(np.int32)
+        drawn, accepted, self.cache = self.programs["verify_rows", attend](self.params, self.cache, padded, ints,
+                                                                            self.sampler)
+        return jax.device_get((drawn, accepted))
 
     def rows_verify_room(self, starts: list[int]) -> list[int]:
         """Tokens each slot may send to one `verify_rows` call with these starts (the positions each holds) so
@@ -881,27 +889,35 @@ def _decode_sample_step(params, cache, packed, previous, sampler: SamplerState, 
     return sampled, cache, sampler
 
 
-def _accepted_drafts(tokens: jax.Array, greedy: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """[B]: how many drafts (tokens[:, 1:]) in a row equal the greedy token before them, up to n_valid-1."""
+def _accepted_drafts(tokens: jax.Array, drawn: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """[B]: how many drafts (tokens[:, 1:]) in a row equal the token drawn before them, up to n_valid-1."""
     width = tokens.shape[1]
-    match = (tokens[:, 1:] == greedy[:, :-1]) & (jnp.arange(1, width)[None, :] < n_valid[:, None])
+    match = (tokens[:, 1:] == drawn[:, :-1]) & (jnp.arange(1, width)[None, :] < n_valid[:, None])
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
 
 
-def _verify_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
-    start, n_valid, slot, adapter = ints[0:1], ints[1:2], ints[2:3], ints[3:4]
+def _verify_step(params, cache, tokens, ints, sampler: SamplerState, *, cfg, view_width: int, attend: int):
+    start, n_valid, slot, adapter, step = ints[0:1], ints[1:2], ints[2:3], ints[3:4], ints[4]
     logits, cache = verify_chunk(params, cache, tokens, start, n_valid, slot, cfg=cfg, attend=attend,
                                  view_width=view_width, adapters=adapter)
-    greedy = jnp.argmax(logits, axis=-1)
-    return greedy[0], _accepted_drafts(tokens, greedy, n_valid)[0], cache
+    # The barrier keeps the logits as a decode step computes them (see `_decode_sample_step`). The W
+    # positions are drawn as W rows of the slot's own parameters and seed, at steps step..step+W-1.
+    logits = jax.lax.optimization_barrier(logits)[0]  # [W, V]
+    width = logits.shape[0]
+    rows = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[ints[2]], (width, *a.shape[1:])), sampler)
+    drawn = draw_tokens(logits, rows, step + jnp.arange(width, dtype=jnp.int32))
+    return drawn, _accepted_drafts(tokens, drawn[None], n_valid)[0], cache
 
 
-def _verify_rows_step(params, cache, tokens, ints, *, cfg, view_width: int, attend: int):
-    starts, n_valid = ints[0], ints[1]
+def _verify_rows_step(params, cache, tokens, ints, sampler: SamplerState, *, cfg, view_width: int, attend: int):
+    starts, n_valid, steps = ints[0], ints[1], ints[3]
     logits, cache = verify_chunk(params, cache, tokens, starts, n_valid, None, cfg=cfg, attend=attend,
                                  view_width=view_width, adapters=ints[2])
-    greedy = jnp.argmax(logits, axis=-1)
-    return greedy, _accepted_drafts(tokens, greedy, n_valid), cache
+    # Position i of every slot is drawn as a decode step's [S, V] rows are (same shape, step + i), so each
+    # token is the one plain decoding draws there.
+    logits = jax.lax.optimization_barrier(logits)  # [S, W, V]
+    drawn = jnp.stack([draw_tokens(logits[:, i], sampler, steps + i) for i in range(tokens.shape[1])], axis=1)
+    return drawn, _accepted_drafts(tokens, drawn, n_valid), cache
 
 
 def _sample_row(logits, state: SamplerState, slot, step, mask, dry_limit):

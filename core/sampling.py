@@ -139,12 +139,17 @@ class SamplingParams:
         return self.dry_multiplier != 0 and self.dry_penalty_last_n != 0
 
     @property
+    def penalised(self) -> bool:
+        """Whether a penalty (repetition, frequency, presence or DRY) applies: the request's logits then depend
+        on the tokens it generated, so its next draw depends on the sampler state, not on its seed alone."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.dry)
+
+    @property
     def needs_full(self) -> bool:
         """True when this request needs `sample(..., needs_full=True)` (penalties or truncation)."""
-        penalised = (self.repetition_penalty != 1 or self.frequency_penalty != 0
-                     or self.presence_penalty != 0 or self.dry)
         truncated = not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
-        return penalised or truncated
+        return self.penalised or truncated
 
 
 def _normalise_bias(bias: object) -> tuple[tuple[int, float], ...]:
@@ -724,6 +729,25 @@ def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | Non
         dry_limit = jnp.full((s,), state.dry.history.shape[1], jnp.int32)
     dry_rows = active & (state.dry.window > 0)
     x = _process_logits(logits, state, allowed_mask, needs_full, dry_limit, dry_rows)
+    tokens, m, valid = _choose(x, state, step, needs_full, k_max)
+    token_lp, top_ids, top_lp = _logprobs(x, m, valid, tokens, state.logprobs, active, num_top)
+
+    # Count the token for active rows only; index V (out of range) drops the update.
+    idx = jnp.where(active & (tokens >= 0), tokens, v)
+    rows = jnp.arange(s)
+    dry_state = lax.cond(jnp.any(dry_rows), lambda: _dry_append(state.dry, tokens, dry_rows & (tokens >= 0)),
+                         lambda: state.dry)
+    new_state = state._replace(counts=state.counts.at[rows, idx].add(1, mode="drop"),
+                               seen=state.seen.at[rows, idx].set(True, mode="drop"), dry=dry_state)
+    return tokens, token_lp, top_ids, top_lp, new_state
+
+
+def _choose(x: jax.Array, state: SamplerState, step: jax.Array, truncate: bool, k_max: int
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's token from its processed logits x [R, V] (`sample`'s draw; truncate: honour top-k, top-p
+    and min-p). Returns the tokens [R] (-1 where no token is allowed), each row's max logit m [R] (0 on such
+    a row) and whether the row allows any token, valid [R]."""
+    s = x.shape[0]
     lb = _to_blocks(x, _BLOCK)
     m, greedy_tok = _block_argmax(lb)
     valid = m > _NEG_INF  # some token allowed
@@ -735,21 +759,24 @@ def sample(logits: jax.Array, state: SamplerState, allowed_mask: jax.Array | Non
     u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
 
     def draw() -> jax.Array:
-        if needs_full:
+        if truncate:
             return _draw_full(lb, x, m, t, u, state, k_max)
         return _draw_blocks(lb, _block_sums(lb, m, t, jnp.full((s,), _NEG_INF)), m, t, jnp.full((s,), _NEG_INF), u)
 
     # An all-greedy batch skips the sampling passes; no row's result depends on which branch runs.
     drawn = lax.cond(sampling.any(), draw, lambda: jnp.zeros((s,), jnp.int32))
     tokens = jnp.where(valid, jnp.where(sampling, drawn, greedy_tok), -1).astype(jnp.int32)
-    token_lp, top_ids, top_lp = _logprobs(x, m, valid, tokens, state.logprobs, active, num_top)
+    return tokens, m, valid
 
-    # Count the token for active rows only; index V (out of range) drops the update.
-    # Count the token for active rows only; index V (out of range) drops the update.
-    idx = jnp.where(active & (tokens >= 0), tokens, v)
-    rows = jnp.arange(s)
-    dry_state = lax.cond(jnp.any(dry_rows), lambda: _dry_append(state.dry, tokens, dry_rows & (tokens >= 0)),
-                         lambda: state.dry)
-    new_state = state._replace(counts=state.counts.at[rows, idx].add(1, mode="drop"),
-                               seen=state.seen.at[rows, idx].set(True, mode="drop"), dry=dry_state)
-    return tokens, token_lp, top_ids, top_lp, new_state
+
+def draw_tokens(logits: jax.Array, state: SamplerState, step: jax.Array, *, k_max: int = K_MAX) -> jax.Array:
+    """The tokens [R] `sample` gives rows logits [R, V] at steps [R] (each row its own parameters and seed in
+    ``state``, rows R), for requests that are not penalised (`SamplingParams.penalised`), masked or
+    reporting logprobs: then a row's token depends on its logits, parameters, seed and step alone, so a
+    speculative verify pass may draw the token of every position it computes (step + i at position i) and
+    get exactly the tokens plain decoding would. The state is read, not updated (such a request's counts
+    are never read). Top-k, top-p and min-p always apply (the same tokens as `sample` without them where
+    a request sets none)."""
+    rows = jnp.zeros(logits.shape[:1], bool)  # no DRY row
+    x = _process_logits(logits, state, None, False, jnp.zeros(logits.shape[:1], jnp.int32), rows)
+    return _choose(x, state, step, True, k_max)[0]

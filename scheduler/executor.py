@@ -48,10 +48,11 @@ def execute(engine: Engine, host: HostTier, plan: StepPlan) -> StepOutcome:
         _decode(engine, plan, out)
     if plan.verify is not None:
         row = plan.verify
-        out.verified[row.seq.id] = engine.verify(row.seq.slot, row.inputs, row.start)
+        out.verified[row.seq.id] = engine.verify(row.seq.slot, row.inputs, row.start, len(row.seq.generated))
     if plan.verify_rows:
         begin, ran = time.perf_counter(), engine.programs.programs_run()
-        tokens = engine.verify_rows([(row.seq.slot, row.inputs, row.start) for row in plan.verify_rows])
+        tokens = engine.verify_rows([(row.seq.slot, row.inputs, row.start) for row in plan.verify_rows],
+                                    [len(row.seq.generated) for row in plan.verify_rows])
         _record_time(engine, out, "verify_rows", begin, ran)
         for row in plan.verify_rows:
             out.verified[row.seq.id] = tokens[row.seq.slot]

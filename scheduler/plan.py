@@ -100,7 +100,7 @@ class StepPlan:
 @dataclass
 class StepOutcome:
     """What executing a plan produced: the first token of every sequence whose prompt completed (sample result
-    and row), the decode step's samples, and each verified stream's greedy tokens."""
+    and row), the decode step's samples, and each verified stream's tokens (`Engine.verify`)."""
 
     first: dict[int, tuple[SampleResult, int]] = field(default_factory=dict)  # by sequence id
     decoded: SampleResult | None = None

@@ -262,7 +262,7 @@ class Planner:
         return StepRow(seq, [seq.generated[-1], *draft], start) if draft else None
 
     def _speculate_rows(self, running: list[Sequence]) -> tuple[list[StepRow], bool]:
-        """A batched verify step for several plain-greedy streams, each with its prompt-lookup draft (or none),
+        """A batched verify step for several streams that may speculate, each with its prompt-lookup draft (or none),
         and whether to run it: when the drafts' expected accepted tokens per second beat a decode step's, or to
         measure the verify step again once its figure is stale. ([], False): no verify step was weighed."""
         if not self.engine.rows_verify_exact or not all(self._may_speculate(seq) for seq in running):

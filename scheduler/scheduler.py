@@ -73,8 +73,9 @@ class SchedulerConfig:
     host_tier_bytes: int = CacheConfig.host_tier_bytes
     min_snapshot_tokens: int = CacheConfig.min_snapshot_tokens
     min_wait_tokens: int = CacheConfig.min_wait_tokens
-    # A lone plain-greedy stream runs prompt-lookup speculative steps (engine.verify) instead of decode steps:
-    # same tokens, often several per step (scheduler/speculation.py). Several plain-greedy streams share a
+    # A lone stream runs prompt-lookup speculative steps (engine.verify) instead of decode steps: same tokens,
+    # often several per step, greedy or sampled (each position drawn with its own step's key), for requests
+    # without penalties, grammar or logprobs (scheduler/speculation.py). Several such streams share a
     # batched verify step (engine.verify_rows, where the engine has that program and its products are exact)
     # when their drafts promise more tokens per second than a decode step.
     speculative: bool = True

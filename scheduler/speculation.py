@@ -58,10 +58,12 @@ class DraftIndex:
 
 
 def speculation_allowed(sampling: SamplingParams, constrained: bool, wants_logprobs: bool) -> bool:
-    """Greedy verification reproduces plain decoding exactly only for plain greedy requests: sampling,
-    penalties and logit bias change the token choice; grammar masks and logprobs need the sampler."""
-    return (sampling.temperature == 0 and not sampling.needs_full and not sampling.logit_bias
-            and not sampling.logprobs and not constrained and not wants_logprobs)
+    """A verify step draws each position's token as plain decoding would (`core.sampling.draw_tokens`: the
+    request's temperature, top-k/top-p/min-p, logit bias and seed at that position's step) wherever that token
+    depends on the logits and the step alone: not for penalties or DRY (they depend on the tokens before,
+    counted by the sampler state), grammar masks (filled on the host token by token) or logprobs (reported
+    by the sampler)."""
+    return not (sampling.penalised or sampling.logprobs or constrained or wants_logprobs)
 
 
 # A stream's own record counts against a prior worth this many drafted tokens (2 with an even prior is

@@ -109,3 +109,19 @@ def test_batched_verify_rows_equal_decode_rows_bit_for_bit_on_the_default_model(
     prompts = [text[i * 7:i * 7 + n] for i, n in enumerate((5, 40, 130, 260, 513, 600, 700, 820))]
     rng = np.random.default_rng(17)
     assert verify_against_decode(engine, prompts, rng) >= 8 * ROUNDS
+
+
+@pytest.mark.slow
+def test_verify_passes_draw_the_plain_sampled_tokens_on_the_default_model(real_model):
+    """Sampled requests speculate (`scheduler.speculation.speculation_allowed`): on the default model, W8A8
+    and int8 KV, batched verify passes that draw each position at its own step give exactly the tokens plain
+    decode steps sample (temperature alone, with llama.cpp's top-k/top-p/min-p, with a logit bias, greedy)."""
+    from test_engine import check_sampled_verify
+
+    from core.quality import reference_tokens
+
+    engines = [exact_engine(real_model.cfg, real_model.params, slots=8, max_len=1024, chunks=(32, 128))
+               for _ in range(2)]
+    text = np.asarray(reference_tokens(real_model.tokenizer, 900))
+    prompts = [text[i * 11:i * 11 + n] for i, n in enumerate((40, 300, 530, 9))]
+    check_sampled_verify(*engines, prompts, 40, np.random.default_rng(19))

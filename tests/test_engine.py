@@ -13,6 +13,7 @@ import pytest
 from core.engine import Engine, EngineConfig
 from core.kv_cache import CacheSpec, init_cache
 from core.model import sequence_logits
+from core.sampling import SamplingParams, SlotRequest
 from core.weights import random_params
 from tiny_models import WINDOW, model_config
 
@@ -385,6 +386,82 @@ def test_batched_verify_gives_exactly_the_plain_greedy_tokens_of_every_slot(setu
         engine.verify_rows([(0, [1], 0)])
     with pytest.raises(ValueError, match="once per call"):
         spec.verify_rows([(0, [1, 2, 3, 4], 0)])
+
+
+# Sampled requests a verify step may serve (`scheduler.speculation.speculation_allowed`): temperature with and
+# without truncation, logit bias, and a greedy one beside them.
+SPECULATED = (SamplingParams(temperature=0.9, seed=11),
+              SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, seed=12),
+              SamplingParams(temperature=1.3, top_p=0.8, logit_bias={5: 4.0, 9: -100.0}, seed=13),
+              SamplingParams(temperature=0))
+
+
+def sampled_continuations(engine: Engine, prompts: list[np.ndarray], total: int) -> list[list[int]]:
+    """Slot s's request (SPECULATED[s]) prefilled with prompts[s] and then decoded, those slots active, the
+    sampler drawing every token as the scheduler's plain decode steps do."""
+    n = len(prompts)
+    engine.begin_requests([SlotRequest(s, SPECULATED[s], p, SPECULATED[s].seed or 0) for s, p in enumerate(prompts)])
+    out = [[int(engine.sample_slot(s, engine.prefill(s, p, 0), step=0).tokens[0])] for s, p in enumerate(prompts)]
+    tokens, positions, steps = (np.zeros(engine.num_slots, np.int32) for _ in range(3))
+    active = np.arange(engine.num_slots) < n
+    while min(len(o) for o in out) < total:
+        for s, (p, o) in enumerate(zip(prompts, out, strict=True)):
+            tokens[s], positions[s], steps[s] = o[-1], len(p) + len(o) - 1, len(o)
+        drawn = engine.sample(engine.decode(tokens, positions, active), active, steps).tokens
+        for s in range(n):
+            out[s].append(int(drawn[s]))
+    return out
+
+
+def test_verify_steps_draw_exactly_the_tokens_plain_sampling_draws(setup):
+    """Seeded sampling draws each token from fold_in(seed, step): a verify pass that draws position i at
+    step + i gives exactly the tokens plain decode steps sample, batched over slots (W8A8, int8 KV) and for a
+    lone slot, with top-k/top-p/min-p, logit bias and greedy beside them, right and wrong drafts alike."""
+    from core.weights import to_w8a8
+
+    cfg, engine, _ = setup
+    config = EngineConfig(num_slots=len(SPECULATED), max_len=96, chunk_sizes=CHUNKS, kv_dtype="int8",
+                          attention_buckets=BUCKETS, verify_width=VERIFY, rows_verify_width=3)
+    params = to_w8a8(engine.params)
+    rng = np.random.default_rng(43)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (W + 2, 5, 2 * W + 3, 7)]
+    want = check_sampled_verify(Engine(cfg, params, config, "float32"), Engine(cfg, params, config, "float32"),
+                                prompts, 3 * W, rng)
+    assert 5 in want[2]  # the logit bias shows
+
+
+def check_sampled_verify(plain: Engine, spec: Engine, prompts: list[np.ndarray], total: int,
+                         rng: np.random.Generator) -> list[list[int]]:
+    """Asserts that `spec`'s verify passes (batched, and now and then one slot's own) give the first `total`
+    tokens `plain` samples step by step for slot s's request SPECULATED[s] (prompts[s]), drafts partly right.
+    Returns plain's tokens."""
+    slots = len(prompts)
+    want = sampled_continuations(plain, prompts, total + spec.config.verify_tokens)
+    assert len({tuple(w) for w in want}) == slots  # the streams differ
+    spec.begin_requests([SlotRequest(s, SPECULATED[s], p, SPECULATED[s].seed or 0) for s, p in enumerate(prompts)])
+    got = [[int(spec.sample_slot(s, spec.prefill(s, p, 0), step=0).tokens[0])] for s, p in enumerate(prompts)]
+    passes = 0
+    while min(len(g) for g in got) < total:
+        starts = [len(p) + len(g) - 1 for p, g in zip(prompts, got, strict=True)]
+        if passes % 3 == 2 and spec.config.verify_tokens > 1:  # now and then a lone slot's own verify
+            s = passes % slots
+            right = want[s][len(got[s]):len(got[s]) + spec.verify_room(starts[s]) - 2]
+            got[s] += spec.verify(s, [got[s][-1], *right, 3], starts[s], step=len(got[s]))
+            passes += 1
+            continue
+        pieces = []
+        for s, room in enumerate(spec.rows_verify_room(starts)):
+            n_right = min((passes + s) % 3, room - 1)  # 0, 1 or 2 right drafts, then wrong ones
+            right = want[s][len(got[s]):len(got[s]) + n_right]
+            wrong = [int(t) for t in rng.integers(3, spec.cfg.vocab_size, size=room - 1 - len(right))]
+            pieces.append((s, [got[s][-1], *right, *wrong][:room], starts[s]))
+        out = spec.verify_rows(pieces, [len(g) for g in got])
+        for s in range(slots):
+            got[s] += out[s]
+        passes += 1
+    for s in range(slots):
+        assert got[s][:total] == want[s][:total], f"slot {s}"
+    return want
 
 
 def test_background_warmup_compiles_what_a_short_request_needs_first_and_the_rest_meanwhile(compile_cache):

@@ -329,18 +329,20 @@ def exact_engine(engine):
 
 def test_greedy_streams_share_batched_verify_steps_and_yield_exactly_the_plain_tokens(exact_engine, tokenizer):
     """Five plain-greedy streams (repetitive prompts, so prompt lookup drafts) run batched verify steps; every
-    output equals plain decoding's, including lengths that end inside a multi-token step. With one sampled
-    stream among them, nobody speculates in a batch (the sampled one needs the sampler) and outputs still match."""
+    output equals plain decoding's, including lengths that end inside a multi-token step. With one penalised
+    stream among them, nobody speculates in a batch (its draws depend on the tokens before them, counted by the
+    sampler) and outputs still match."""
     engine = exact_engine
     assert engine.rows_verify_exact
     prompts = [ids(60 + i, 6 + i) * 4 for i in range(5)]
     lengths = [30, 9, 17, 30, 5]
-    for sampled in (False, True):
-        if sampled:  # the sampled stream is prefilled first and outlives the greedy ones
+    for penalised in (False, True):
+        if penalised:  # the penalised stream is prefilled first and outlives the greedy ones
             lengths[0] = 40
         reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
-        if sampled:
-            reqs[0] = request(prompts[0], max_tokens=40, sampling=SamplingParams(temperature=0.8, seed=7))
+        if penalised:
+            reqs[0] = request(prompts[0], max_tokens=40,
+                              sampling=SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.2))
         plain_sched = make(engine, tokenizer, speculative=False, prefix_caching=False)
         plain = run_all(plain_sched, reqs)
         sched = make(engine, tokenizer, prefix_caching=False)
@@ -348,11 +350,53 @@ def test_greedy_streams_share_batched_verify_steps_and_yield_exactly_the_plain_t
         for got, want, n in zip(spec, plain, lengths, strict=True):
             assert got[0] == want[0] and len(got[0]) == n and got[1] == want[1]
             assert got[2].reason is want[2].reason is FinishReason.LENGTH
-        if sampled:
+        if penalised:
             assert sched.stats.batched_speculative_steps == 0
         else:
             assert sched.stats.batched_speculative_steps > 0 and sched.stats.accepted_draft_tokens > 0
             assert sched.stats.decode_steps < plain_sched.stats.decode_steps
+
+
+@pytest.fixture(scope="module")
+def three_slot_exact_engine(engine):
+    """`exact_engine` with three slots. A sampled draw shows a verify row's last-bit difference from its decode
+    row where a greedy one seldom does, and on a Zen 4 host this tiny model's rows differed at eight slots
+    (24 verify rows against 8 decode rows) at about half the positions, though not at three
+    (tests/test_batched_verify.py checks three slots of the tiny families and eight of the default model)."""
+    from core.weights import to_w8a8
+
+    eng = Engine(engine.cfg, to_w8a8(engine.params), EngineConfig(num_slots=3, max_len=160, chunk_sizes=(4, 16),
+                                                                   kv_dtype="int8", rows_verify_width=3), "float32")
+    eng.warmup()
+    return eng
+
+
+def test_sampled_streams_speculate_and_yield_exactly_the_plain_tokens(three_slot_exact_engine, tokenizer,
+                                                                      monkeypatch):
+    """Seeded sampled streams (temperature alone; with top-k, top-p and min-p as llama.cpp's defaults; with a
+    logit bias) and a greedy one, on repetitive prompts, three at a time: batched verify steps draw each
+    position at its own step, so every output equals plain decoding's, token for token, lengths ending inside
+    a multi-token step included; the last stream left verifies on its own, with the same tokens."""
+    exact_engine = three_slot_exact_engine
+    # Two streams draw a biased token about half the time (the random model's logits are nearly flat over 262k
+    # tokens), so their drafts of it are accepted and rejected by chance; the longest ends alone.
+    biased = {1234: 12.5}
+    samplings = [SamplingParams(temperature=1.0, logit_bias=biased, seed=7),
+                 SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, seed=8),
+                 SamplingParams(temperature=0.9, logit_bias=biased, seed=9), GREEDY]
+    reqs = [request(ids(80 + i, 5 + i) * 5, max_tokens=n, sampling=p)
+            for i, (p, n) in enumerate(zip(samplings, (50, 9, 40, 14), strict=True))]
+    plain_sched = make(exact_engine, tokenizer, speculative=False, prefix_caching=False)
+    plain = run_all(plain_sched, reqs)
+    sched = make(exact_engine, tokenizer, prefix_caching=False)
+    monkeypatch.setattr(sched.times, "rows_verify_cost", lambda: 1.0)  # every draft pays: verify all along
+    spec = run_all(sched, reqs)
+    for got, want, req in zip(spec, plain, reqs, strict=True):
+        assert got[0] == want[0] and len(got[0]) == req.max_tokens and got[1] == want[1]
+    assert len({tuple(p[0]) for p in plain}) == len(reqs) and 0.2 < plain[0][0].count(1234) / 50 < 0.8
+    assert sched.stats.batched_speculative_steps > 0 and sched.stats.accepted_draft_tokens > 0
+    assert sched.stats.speculative_steps > sched.stats.batched_speculative_steps  # the lone stream's own
+    assert sched.stats.decode_steps < plain_sched.stats.decode_steps
 
 
 def test_a_lone_stream_verifies_in_the_batched_program_until_its_own_is_loaded(exact_engine, tokenizer,
@@ -375,12 +419,13 @@ def test_a_lone_stream_verifies_in_the_batched_program_until_its_own_is_loaded(e
 
 def test_a_stream_that_may_not_speculate_never_asks_for_a_verify_program(engine, tokenizer, monkeypatch):
     """A step's ask loads a program on the warm-up thread while serving (core.programs.ASKS_WHILE_SERVING):
-    a lone sampled stream, which never verifies, must not ask for one."""
+    a lone penalised stream, which never verifies, must not ask for one."""
     asked: list[str] = []
     loaded = engine.compiled_for
     monkeypatch.setattr(engine, "compiled_for", lambda kind, positions: asked.append(kind) or loaded(kind, positions))
-    sampled = request(ids(64, 10) * 4, max_tokens=12, sampling=SamplingParams(temperature=0.8, seed=3))
-    run_all(make(engine, tokenizer), [sampled])
+    penalised = request(ids(64, 10) * 4, max_tokens=12,
+                        sampling=SamplingParams(temperature=0.8, seed=3, frequency_penalty=0.5))
+    run_all(make(engine, tokenizer), [penalised])
     assert not any(kind.startswith("verify") for kind in asked)
     run_all(make(engine, tokenizer), [request(ids(64, 10) * 4, max_tokens=12)])  # a greedy one does ask
     assert "verify" in asked
@@ -462,18 +507,22 @@ def test_no_batched_verify_where_products_are_not_exact(engine, tokenizer):
     assert sched.stats.batched_speculative_steps == 0
 
 
-def test_no_speculation_for_sampled_or_logprob_streams(engine, tokenizer):
+def test_no_speculation_for_penalised_or_logprob_streams(engine, tokenizer):
     from scheduler.speculation import speculation_allowed
 
     prompt = ids(42, 10) * 3
     sched = make(engine, tokenizer)
-    run_all(sched, [request(prompt, max_tokens=8, sampling=SamplingParams(temperature=0.7, seed=1))])
+    run_all(sched, [request(prompt, max_tokens=8,
+                            sampling=SamplingParams(temperature=0.7, seed=1, presence_penalty=0.5))])
     run_all(sched, [request(prompt, max_tokens=8, want_logprobs=True)])
     assert sched.stats.speculative_steps == 0
     assert speculation_allowed(GREEDY, constrained=False, wants_logprobs=False)
     assert not speculation_allowed(GREEDY, constrained=True, wants_logprobs=False)
-    for knobs in ({"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.1}, {"logprobs": 2}, {"temperature": 0.5}):
-        assert not speculation_allowed(SamplingParams(**{"temperature": 0, **knobs}), False, False), knobs
+    for knobs in ({"repetition_penalty": 1.1}, {"frequency_penalty": 0.2}, {"presence_penalty": -0.2},
+                  {"dry_multiplier": 0.8}, {"logprobs": 2}):
+        assert not speculation_allowed(SamplingParams(**{"temperature": 0.5, **knobs}), False, False), knobs
+    for knobs in ({"logit_bias": {5: 1.0}}, {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "min_p": 0.05}):
+        assert speculation_allowed(SamplingParams(**knobs), False, False), knobs
 
 
 def test_short_prompts_arriving_together_are_prefilled_in_one_call(engine, tokenizer):
