@@ -56,7 +56,7 @@ class RuntimeOptions:
     max_waiting: int = SchedulerConfig.max_waiting
     prefix_caching: bool = SchedulerConfig.prefix_caching
     speculative: bool = SchedulerConfig.speculative
-    # Several greedy streams verify their drafts in one batched pass (EngineConfig.rows_verify_width; W8A8 +
+    # Several streams verify their drafts in one batched pass (EngineConfig.rows_verify_width; W8A8 +
     # int8 KV only). Its rows equal decode rows bit for bit on every host class the suite has passed on,
     # checked at the logits by tests/test_batched_verify.py wherever `make test` runs (docs/design-notes.md).
     batched_speculation: bool = True

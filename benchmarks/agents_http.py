@@ -270,7 +270,8 @@ def ours(args: argparse.Namespace, work: dict[str, Any], tmp: Path) -> dict[str,
     port = free_port()
     config = tmp / "server.yaml"
     config.write_text(f"model:\n  slots: {args.concurrency}\n  max_len: 8192\nserver:\n  port: {port}\n"
-                      f"  log_level: warning\nagents_dir: {agents_dir}\nlimits:\n  max_body_bytes: 4194304\n")
+                      f"  log_level: warning\nagents_dir: {agents_dir}\nlimits:\n  max_body_bytes: 4194304\n"
+                      f"scheduler:\n  speculative: {str(args.speculative == 'on').lower()}\n")
     cmd = [str(ROOT / ".venv/bin/slotserve"), "serve", "--config", str(config)]
     url = f"http://127.0.0.1:{port}"
     return {"name": "slotserve", "url": url, "command": cmd, "log": tmp / "slotserve.log", "ready_path": "/ready",
@@ -353,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_args(p)
     p.add_argument("--twice-words", type=int, default=1800)
     p.add_argument("--order", default="llama,ours", help="servers in the order they run")
+    p.add_argument("--speculative", choices=("on", "off"), default="on",
+                   help="slotserve's prompt-lookup speculation (scheduler.speculative; on: the shipped default)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/agents-http-cpu.json"))
     args = p.parse_args(argv)
 

@@ -914,9 +914,16 @@ def _verify_rows_step(params, cache, tokens, ints, sampler: SamplerState, *, cfg
     logits, cache = verify_chunk(params, cache, tokens, starts, n_valid, None, cfg=cfg, attend=attend,
                                  view_width=view_width, adapters=ints[2])
     # Position i of every slot is drawn as a decode step's [S, V] rows are (same shape, step + i), so each
-    # token is the one plain decoding draws there.
+    # token is the one plain decoding draws there; a position no slot's chunk reaches is not drawn (with
+    # top-k/top-p a draw costs a pass over V per row, and most slots send fewer drafts than the width allows).
     logits = jax.lax.optimization_barrier(logits)  # [S, W, V]
-    drawn = jnp.stack([draw_tokens(logits[:, i], sampler, steps + i) for i in range(tokens.shape[1])], axis=1)
+
+    def draw(i: int) -> jax.Array:
+        return draw_tokens(logits[:, i], sampler, steps + i)
+
+    unused = jnp.zeros(n_valid.shape, jnp.int32)
+    drawn = jnp.stack([draw(0)] + [jax.lax.cond(jnp.any(n_valid > i), partial(draw, i), lambda: unused)
+                                   for i in range(1, tokens.shape[1])], axis=1)
     return drawn, _accepted_drafts(tokens, drawn, n_valid), cache
 
 

@@ -62,8 +62,8 @@ class SchedulerSection(_Section):
     prefill_budget: int | None = Field(RUNTIME.prefill_budget, ge=1)
     max_waiting: int = Field(RUNTIME.max_waiting, ge=1)
     prefix_caching: bool = RUNTIME.prefix_caching
-    speculative: bool = RUNTIME.speculative  # prompt-lookup speculation for plain-greedy streams (same tokens)
-    batched_speculation: bool = RUNTIME.batched_speculation  # greedy streams verify drafts in one pass
+    speculative: bool = RUNTIME.speculative  # prompt-lookup speculation (same tokens as plain decoding)
+    batched_speculation: bool = RUNTIME.batched_speculation  # several streams verify drafts in one pass
     chunk_in_decode: bool = RUNTIME.chunk_in_decode  # a decode step carries one short prompt chunk
     carry_sizes: list[int] = Field(default_factory=lambda: list(RUNTIME.carry_sizes), min_length=1)
     overlap_steps: bool | None = RUNTIME.overlap_steps  # next decode step queued before tokens are read
