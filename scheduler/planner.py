@@ -228,9 +228,7 @@ class Planner:
     def _carry_waiting(self) -> bool:
         """Whether a short prefill (a chat turn's new tokens after a cache hit) waits that a decode step would
         take along. Then the streams decode rather than verify: the carried chunk rides in the decode pass,
-        where on its own it costs a pass over every weight and its stream's first token waits for it (the
-        mission workload on the Zen 4 host: 1 chunk carried instead of 46 while sampled streams verified,
-        wall 30.5 s against 23.9 s)."""
+        where on its own it costs a pass over every weight and its stream's first token waits for it."""
         return self.engine.chunk_in_decode and any(seq.awaiting is None and self._short(seq)
                                                    for seq in self.prefilling)
 
