@@ -36,37 +36,12 @@ def block_size(n: int) -> int:
 
 
 def rotate(x: Any, xp: Any = None) -> Any:
-    """x @ R over the last axis, for jax or numpy arrays (xp picks the module; float32). R is its own inverse.
-
-    Computed as the fast Walsh-Hadamard transform: log2(b) rounds of butterflies (a + c, a - c) over each
-    block, then one scale. Each output is the same sequence of float additions whatever the array's rows,
-    layout or fusion, so a row's bits cannot depend on how many rows share the call: as a library product
-    (x @ H_b) they did, inside a compiled step, where the product of an attention output [B, T, heads * d]
-    rounded differently at T = 3 than at T = 1 (a tiny model's eight-slot verify rows against its decode
-    rows on a Zen 4 host), though the product alone was row-independent. Costs about what the product did."""
+    """x @ R over the last axis, for jax or numpy arrays (xp picks the module). R is its own inverse."""
     if xp is None:
         import jax.numpy as xp
     n = x.shape[-1]
     b = block_size(n)
     if b == 1:
         return x
-    lead = x.shape[:-1]
-    y = x.reshape(-1, n // b, b)
-    half = 1
-    while half < b:  # Sylvester order: H_2h = [[H_h, H_h], [H_h, -H_h]]
-        y = y.reshape(y.shape[0], n // b, b // (2 * half), 2, half)
-        a, c = y[..., 0, :], y[..., 1, :]
-        y = xp.stack([a + c, a - c], axis=-2)
-        half *= 2
-    return y.reshape(*lead, n) * np.float32(1 / np.sqrt(b))
-
-
-def rotate_weights(w: np.ndarray) -> np.ndarray:
-    """W @ R for a weight matrix at load time (numpy, float32): the stored W8A8 weights. A product with H_b:
-    weights converted earlier sit in the weight cache (core.weight_cache), whose key names the checkpoint and
-    settings, not this code, so their rotation must stay the one they were made with."""
-    n = w.shape[-1]
-    b = block_size(n)
-    if b == 1:
-        return w
-    return np.einsum("...k,kc->...c", w.reshape(*w.shape[:-1], n // b, b), hadamard(b)).reshape(w.shape)
+    y = xp.einsum("...k,kc->...c", x.reshape(*x.shape[:-1], n // b, b), hadamard(b))
+    return y.reshape(x.shape)

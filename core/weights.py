@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.config import ModelConfig, expected_tensor_shapes
-from core.rotation import rotate_weights
+from core.rotation import rotate
 
 if TYPE_CHECKING:  # the loaders pull in gguf, which random-weight benchmarks on bare machines lack
     from core.loaders import CheckpointSource
@@ -83,7 +83,7 @@ def quantize_rows_int8(w: np.ndarray) -> dict[str, np.ndarray]:
 
 def quantize_w8a8(w: np.ndarray) -> dict[str, np.ndarray]:
     """W8A8 storage: the rows of W @ R (core.rotation) as int8 with per-row scales."""
-    q = quantize_rows_int8(rotate_weights(w.astype(np.float32)))
+    q = quantize_rows_int8(rotate(w.astype(np.float32), xp=np))
     return {"qa8": q["q"], "s": q["s"]}
 
 

