@@ -697,3 +697,39 @@ def test_streams_verify_again_after_a_verify_time_that_went_stale(exact_engine, 
     assert [g[0] for g in got] == [p[0] for p in plain]
     assert sched.stats.batched_speculative_steps >= 1
     assert sched.times.rows_verify_cost() < 50  # measured afresh, not averaged with the stale 50x
+
+
+def test_streams_decode_rather_than_verify_while_a_short_turn_can_ride_along(engine, tokenizer, monkeypatch):
+    """Greedy streams whose drafts always pay for a verify step, and a short prompt arriving meanwhile: the
+    streams take decode steps that carry its chunk (a verify pass cannot), so it gets no prefill call of its
+    own; without that rule it does, as the verify steps go on. Every output equals its cold run either way."""
+    from core.weights import to_w8a8
+
+    exact_engine = Engine(engine.cfg, to_w8a8(engine.params), EngineConfig(
+        num_slots=4, max_len=160, chunk_sizes=(4, 16), kv_dtype="int8", rows_verify_width=3, verify_width=0,
+        chunk_in_decode=True, carry_sizes=(4, 8)), "float32")
+    exact_engine.warmup()
+    streams = [request(ids(60 + i, 6 + i) * 4, max_tokens=30) for i in range(2)]
+    turn = request(ids(90, 10), max_tokens=5)
+    original = exact_engine.prefill_chunk
+    runs = {}
+    for rule in (True, False):
+        sched = make(exact_engine, tokenizer, prefix_caching=False)
+        monkeypatch.setattr(sched.times, "rows_verify_cost", lambda: 1.0)
+        if not rule:
+            monkeypatch.setattr(sched.planner, "_carry_waiting", lambda: False)
+        handles = [sched.submit(r) for r in streams]
+        while sched.planner.prefilling or sched.stats.batched_speculative_steps < 2:
+            sched.step()
+        separate: list[tuple] = []
+        monkeypatch.setattr(exact_engine, "prefill_chunk", lambda *a, calls=separate, **kw: calls.append(a)
+                            or original(*a, **kw))
+        carried = sched.stats.carried_chunks
+        handles.append(sched.submit(turn))
+        sched.run_until_idle()
+        monkeypatch.setattr(exact_engine, "prefill_chunk", original)
+        for handle, req in zip(handles, [*streams, turn], strict=True):
+            assert handle.result(timeout=0)[0] == cold(exact_engine, tokenizer, req)
+        runs[rule] = (len(separate), sched.stats.carried_chunks - carried)
+    assert runs[True][0] == 0 and runs[True][1] > 0
+    assert runs[False][0] > 0
